@@ -1,0 +1,41 @@
+# Every target uses the project-local virtualenv at .venv (made by `make install`).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PYTHON := $(BIN)/python
+STAMP := $(VENV)/.installed
+export OPTIMUM_NEURON_CACHE ?= $(CURDIR)/.cache/optimum-neuron
+export TORCHINDUCTOR_CACHE_DIR ?= $(OPTIMUM_NEURON_CACHE)/inductor
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test test-fast lint export-fixtures smollm2 clean bench
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install.sh
+	bash scripts/install.sh $(PY) $(VENV)
+	touch $(STAMP)
+
+smollm2: install
+	$(PYTHON) -m optimum.neuron.smollm2 $(OPTIMUM_NEURON_CACHE)/models/smollm2-135m-instruct
+
+demo: install
+	$(PYTHON) -m optimum.neuron.demo
+
+test: install lint
+	$(PYTHON) -m pytest -q tests
+
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not slow" tests
+
+lint: install
+	$(BIN)/ruff check optimum tests benchmark
+	$(BIN)/ruff format --check optimum tests benchmark
+	$(BIN)/mypy optimum
+
+export-fixtures: install
+	$(PYTHON) tests/fixtures/llm/export_models.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info

@@ -1,0 +1,1 @@
+"""Exporter for optimum-neuronx artifacts."""

@@ -1,0 +1,146 @@
+"""Export: HF checkpoint folder + `NeuronConfig` -> artifact directory (one compiled graph per kind).
+
+Exports are cached under ``$OPTIMUM_NEURON_CACHE/exports/<key>``, the key hashing the config, the
+model files and the toolkit's code; a repeated export with the same inputs is a cache hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from ...neuron.backends import get_backend
+from ...neuron.config import CONFIG_FILE, NeuronConfig
+from ...neuron.graphs import GraphKind, example_inputs, graph_args, graph_kinds, graph_spec
+from ...neuron.models.base import StaticDecoder, attention_dims, graph_module
+from ...neuron.models.layers.kv_cache import allocate_kv_cache
+from ...neuron.models.registry import build_decoder
+from ...neuron.progress import StepProgress
+from ...neuron.runtime.artifacts import GRAPHS_DIR, WEIGHTS_FILE, graph_file, sha256_of, write_manifest
+from ...neuron.weights import bind_weights, constants_of, map_state_dict, read_checkpoint
+from .cache import cache_root, code_fingerprint
+
+_HF_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+)
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Hash of a checkpoint folder's config and weight files (content, not names or times)."""
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file() and (path.suffix in (".json", ".safetensors", ".bin", ".jinja", ".txt", ".model")):
+            digest.update(path.name.encode() + sha256_of(path).encode())
+    return digest.hexdigest()[:16]
+
+
+def export(model_dir: str | Path, output_dir: str | Path, config: NeuronConfig, use_cache: bool = True) -> Path:
+    """Export ``model_dir`` under ``config`` into ``output_dir`` (reusing the export cache)."""
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    key = config.cache_key(f"{model_fingerprint(model_dir)}:{code_fingerprint()}")
+    cached = cache_root() / "exports" / key
+    if not use_cache:
+        _build(model_dir, output_dir, config)
+        return output_dir
+    if not (cached / CONFIG_FILE).is_file():
+        staging = cached.with_name(f"{key}.tmp{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        _build(model_dir, staging, config)
+        shutil.rmtree(cached, ignore_errors=True)
+        staging.rename(cached)
+    else:
+        from rich.console import Console
+
+        Console(stderr=True).print(f"[green]export cache hit[/green] {cached}")
+    if output_dir.resolve() != cached.resolve():
+        _link_tree(cached, output_dir)
+    return output_dir
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    for path in source.rglob("*"):
+        dest = target / path.relative_to(source)
+        if path.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+            continue
+        dest.unlink(missing_ok=True)
+        try:
+            os.link(path, dest)
+        except OSError:
+            shutil.copy2(path, dest)
+
+
+def _build(model_dir: Path, out: Path, config: NeuronConfig) -> None:
+    from transformers import AutoConfig
+
+    backend = get_backend(config.backend)
+    kinds = graph_kinds(config)
+    (out / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
+    with StepProgress(f"export {model_dir.name} ({config.backend}, {config.device})", 2 + len(kinds)) as bar:
+        with bar.step("load checkpoint"):
+            hf_config = AutoConfig.from_pretrained(model_dir)
+            decoder, weights = load_decoder(hf_config, model_dir, config)
+            kv_cache = _cache_for(hf_config, config)
+        files: dict[GraphKind, str] = {}
+        for kind in kinds:
+            files[kind] = graph_file(kind, backend.suffix)
+            with bar.step(f"trace + compile {kind.value} {_shape(config, kind)}"):
+                spec = graph_spec(config, kind)
+                inputs = {k: v.to(config.device) for k, v in example_inputs(config, kind, hf_config.vocab_size).items()}
+                backend.compile(
+                    graph_module(decoder, spec).eval(), graph_args(kind, inputs, kv_cache), out / files[kind]
+                )
+        with bar.step("write artifact"):
+            save_file({k: v.cpu() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
+            write_manifest(out, files, weights)
+            _copy_hf_files(model_dir, out, hf_config)
+            (out / CONFIG_FILE).write_text(config.to_json([k.value for k in kinds]))
+
+
+def load_decoder(hf_config: Any, model_dir: Path, config: NeuronConfig) -> tuple[StaticDecoder, dict]:
+    """The static decoder of ``model_dir`` with its strictly mapped weights, on ``config.device``."""
+    with torch.device("meta"):
+        decoder = build_decoder(hf_config, config.sequence_length, config.max_topk)
+    params = map_state_dict(decoder, read_checkpoint(model_dir), config.torch_dtype)
+    weights = {k: v.to(config.device) for k, v in constants_of(decoder, params).items()}
+    bind_weights(decoder, weights)
+    return decoder.eval(), weights
+
+
+def _cache_for(hf_config: Any, config: NeuronConfig) -> list[torch.Tensor]:
+    dims = attention_dims(hf_config)
+    return allocate_kv_cache(
+        hf_config.num_hidden_layers,
+        config.batch_size,
+        dims.kv_heads,
+        config.sequence_length,
+        dims.head_dim,
+        config.torch_dtype,
+        config.device,
+    )
+
+
+def _shape(config: NeuronConfig, kind: GraphKind) -> str:
+    spec = graph_spec(config, kind)
+    return f"[{spec.batch}, {spec.tokens}]"
+
+
+def _copy_hf_files(model_dir: Path, out: Path, hf_config: Any) -> None:
+    hf_config.save_pretrained(out)
+    for name in _HF_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, out / name)

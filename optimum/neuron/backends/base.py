@@ -1,0 +1,33 @@
+"""The backend interface. Models and runtime depend only on this, never on a concrete backend."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+LoadedGraph = Callable[..., torch.Tensor]
+"""A loaded graph: called with the graph's positional inputs (see `optimum.neuron.graphs.graph_args`)."""
+
+GraphFactory = Callable[[], nn.Module]
+"""Builds the graph's module bound to the shared weights (used by backends that run model code)."""
+
+
+class Backend(ABC):
+    """Compiles one graph module to one file, and loads such a file as a callable."""
+
+    name: str
+    suffix: str
+    """File name suffix of a compiled graph, e.g. ``.pt2``."""
+
+    @abstractmethod
+    def compile(self, module: nn.Module, args: tuple, path: Path) -> None:
+        """Trace/compile ``module`` for the example ``args`` and write the graph to ``path``."""
+
+    @abstractmethod
+    def load(self, path: Path, weights: dict[str, torch.Tensor], factory: GraphFactory) -> LoadedGraph:
+        """Load the graph at ``path`` bound to ``weights`` (shared, not copied). Never returns a
+        graph that could crash when called: every check happens here, raising `ArtifactError`."""

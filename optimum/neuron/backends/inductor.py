@@ -1,0 +1,73 @@
+"""The inductor backend: ``torch.export`` -> AOTInductor package (``.pt2``) per graph, CPU or CUDA.
+
+Weights stay out of the package and are bound at load with ``load_constants(user_managed=True)``:
+every graph points at the same tensors. The KV cache is a graph input mutated in place. A runner
+called before its constants are loaded segfaults, so `load` checks everything first and only then
+returns a callable.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import ArtifactError
+from .base import Backend, GraphFactory, LoadedGraph
+
+_INDUCTOR_OPTIONS = {"aot_inductor.package_constants_in_so": False}
+
+
+class InductorBackend(Backend):
+    """AOTInductor packages with external, shared weights."""
+
+    name = "inductor"
+    suffix = ".pt2"
+
+    def compile(self, module: nn.Module, args: tuple, path: Path) -> None:
+        with torch.no_grad():
+            program = torch.export.export(module, args, strict=False)
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(path), inductor_configs=dict(_INDUCTOR_OPTIONS)
+            )
+
+    def load(self, path: Path, weights: dict[str, torch.Tensor], factory: GraphFactory) -> LoadedGraph:
+        _check_archive(path)
+        try:
+            package = torch._inductor.aoti_load_package(str(path))
+        except Exception as err:  # the loader raises RuntimeError or others on a bad package
+            raise ArtifactError(f"cannot load compiled graph {path}: {err}; re-export the model.") from err
+        names = list(package.get_constant_fqns())
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise ArtifactError(
+                f"{path.name} needs weights {missing[:5]} that the artifact's weights lack: the graph and "
+                "model.safetensors come from different exports; re-export the model."
+            )
+        package.load_constants({n: weights[n] for n in names}, check_full_update=True, user_managed=True)
+        return _BoundGraph(package)
+
+
+class _BoundGraph:
+    """An AOTInductor model whose constants are loaded; the only way the runtime reaches it."""
+
+    def __init__(self, package: object) -> None:
+        self._package = package
+
+    def __call__(self, *args: object) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._package(*args)  # type: ignore[operator]
+
+
+def _check_archive(path: Path) -> None:
+    if not path.is_file():
+        raise ArtifactError(f"compiled graph {path} is missing; re-export the model.")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as err:
+        raise ArtifactError(f"compiled graph {path} is not a valid package ({err}); re-export the model.") from err
+    if bad is not None:
+        raise ArtifactError(f"compiled graph {path} is corrupt (member {bad}); re-export the model.")

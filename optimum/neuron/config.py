@@ -1,0 +1,165 @@
+"""`NeuronConfig`: the frozen description of what an artifact compiles (DESIGN.md §3.8)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import ArtifactError, IncompatibleConfigError
+from .version import __version__
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BACKENDS = ("inductor", "eager", "xla", "neuron")
+DEVICES = ("cpu", "cuda", "neuron")
+CONFIG_FILE = "neuron_config.json"
+
+
+@dataclass(frozen=True)
+class NeuronConfig:
+    """Static shapes, dtype, sampling and backend of an exported model. Validated when built."""
+
+    batch_size: int = 1
+    """Number of KV-cache slots, i.e. sequences decoded together by the token-generation graph."""
+    sequence_length: int = 1024
+    """Tokens per KV slot: the longest prompt plus generated tokens a sequence can hold."""
+    prefill_chunk_size: int = 0
+    """0 compiles a context-encoding graph ``[1, sequence_length]``; C > 0 a chunked-prefill graph
+    ``[1, C]`` that prefills long prompts C tokens at a time instead."""
+    tp_degree: int = 1
+    """Tensor-parallel degree. Only 1 is implemented."""
+    auto_cast_type: str = "fp32"
+    """Weights, activations and KV-cache dtype: one of ``fp32``, ``bf16``, ``fp16``."""
+    on_device_sampling: bool = True
+    """Token generation samples inside the graph (returns token ids) instead of returning logits."""
+    max_topk: int = 256
+    """Largest ``top_k`` the on-device sampler supports; bigger requests are capped to it."""
+    backend: str = "inductor"
+    """Compile backend: ``inductor`` (AOTInductor packages), ``eager`` (reference), ``xla``, ``neuron``."""
+    device: str = "cpu"
+    """Device the graphs run on: ``cpu``, ``cuda`` (inductor/eager) or ``neuron``."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """Informational metadata written to the JSON (versions, graphs); never affects compilation."""
+
+    def __post_init__(self) -> None:
+        for check in (_check_shapes, _check_chunk, _check_dtype_and_backend, _check_sampling):
+            check(self)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype named by `auto_cast_type`."""
+        return DTYPES[self.auto_cast_type]
+
+    def derive(self, **changes: Any) -> NeuronConfig:
+        """A validated copy with ``changes`` applied (`dataclasses.replace`)."""
+        return dataclasses.replace(self, **changes)
+
+    def compile_fields(self) -> dict[str, Any]:
+        """The fields that determine the compiled graphs."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+
+    def cache_key(self, model_fingerprint: str) -> str:
+        """A hash of these fields, the model, and the toolkit/torch versions: the export cache key."""
+        payload = json.dumps(
+            {"config": self.compile_fields(), "model": model_fingerprint, "versions": runtime_versions()},
+            sort_keys=True,
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def to_json(self, graphs: list[str]) -> str:
+        """Serialize with the versions that built it, the graph list and a hash of the fields."""
+        fields = self.compile_fields()
+        body = {
+            **fields,
+            "graphs": graphs,
+            "versions": runtime_versions(),
+            "hash": _fields_hash(fields),
+        }
+        return json.dumps(body, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> NeuronConfig:
+        """Parse and check a ``neuron_config.json``; raises `ArtifactError` when it does not fit."""
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ArtifactError(f"{CONFIG_FILE} is not valid JSON ({err}); re-export the model.") from err
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        fields = {k: v for k, v in body.items() if k in names}
+        if _fields_hash(fields) != body.get("hash"):
+            raise ArtifactError(f"{CONFIG_FILE} was edited or is corrupt (hash mismatch); re-export the model.")
+        extra = {"graphs": body.get("graphs", []), "versions": body.get("versions", {})}
+        return cls(**fields, extra=extra)
+
+
+def runtime_versions() -> dict[str, str]:
+    """Versions that must match between export and load."""
+    return {"optimum-neuronx": __version__, "torch": torch.__version__.split("+")[0]}
+
+
+def _fields_hash(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _positive(config: NeuronConfig, name: str) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise IncompatibleConfigError(f"{name} must be a positive integer, got {value!r}: pass --{name} N, N >= 1.")
+
+
+def _check_shapes(config: NeuronConfig) -> None:
+    for name in ("batch_size", "sequence_length", "max_topk"):
+        _positive(config, name)
+    if config.tp_degree != 1:
+        raise IncompatibleConfigError(
+            f"tensor parallelism is not implemented (tp_degree={config.tp_degree}); "
+            "export with --tensor_parallel_size 1."
+        )
+
+
+def _check_chunk(config: NeuronConfig) -> None:
+    chunk, seq = config.prefill_chunk_size, config.sequence_length
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or not 0 <= chunk <= seq:
+        raise IncompatibleConfigError(
+            f"prefill_chunk_size={chunk!r} must be 0 (context encoding) or between 1 and "
+            f"sequence_length={seq}: lower --prefill_chunk_size or raise --sequence_length."
+        )
+
+
+def _check_dtype_and_backend(config: NeuronConfig) -> None:
+    if config.auto_cast_type not in DTYPES:
+        raise IncompatibleConfigError(
+            f"auto_cast_type={config.auto_cast_type!r} is not one of {sorted(DTYPES)}: pass --auto_cast_type bf16, "
+            "fp16 or fp32."
+        )
+    if config.backend not in BACKENDS:
+        raise IncompatibleConfigError(f"backend={config.backend!r} is not one of {BACKENDS}: pass --backend inductor.")
+    if config.device not in DEVICES:
+        raise IncompatibleConfigError(f"device={config.device!r} is not one of {DEVICES}: pass --device cpu.")
+    neuron_pair = (config.backend == "neuron") == (config.device == "neuron")
+    if not neuron_pair and config.backend != "xla":
+        raise IncompatibleConfigError(
+            f"backend={config.backend!r} cannot run on device={config.device!r}: the neuron device needs "
+            "--backend neuron (or xla), and --backend neuron needs --device neuron."
+        )
+
+
+def _check_sampling(config: NeuronConfig) -> None:
+    if not isinstance(config.on_device_sampling, bool):
+        raise IncompatibleConfigError(f"on_device_sampling must be a bool, got {config.on_device_sampling!r}.")
+
+
+def load_config_file(text: str) -> NeuronConfig:
+    """Parse ``neuron_config.json`` and refuse an artifact made by other toolkit/torch versions."""
+    config = NeuronConfig.from_json(text)
+    found, expected = config.extra.get("versions", {}), runtime_versions()
+    if found != expected:
+        raise ArtifactError(
+            f"artifact was exported with {found}, this environment has {expected}: re-export the model "
+            "with this environment (optimum-cli export neuron ...)."
+        )
+    return config

@@ -1,0 +1,97 @@
+"""Graph kinds and their static signatures: the single source of what each compiled graph takes.
+
+A graph is always named explicitly by its `GraphKind`; nothing infers the kind from a tensor shape.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .config import NeuronConfig
+
+
+class GraphKind(str, enum.Enum):
+    """The compiled graphs of an artifact (DESIGN.md §2)."""
+
+    CONTEXT_ENCODING = "context_encoding"
+    """``[1, sequence_length]`` tokens of one sequence from position 0; returns last-token logits."""
+    CHUNKED_PREFILL = "chunked_prefill"
+    """``[1, prefill_chunk_size]`` tokens of one sequence at any offset; returns last-token logits."""
+    TOKEN_GENERATION = "token_generation"
+    """``[batch_size, 1]``: one token per KV slot; returns sampled tokens or logits."""
+
+    @property
+    def is_prefill(self) -> bool:
+        """True for the graphs that feed one sequence's prompt tokens."""
+        return self is not GraphKind.TOKEN_GENERATION
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """The static shape contract of one compiled graph, derived from a `NeuronConfig`."""
+
+    kind: GraphKind
+    batch: int
+    """Rows of ``input_ids``: 1 for prefill graphs, the cache's ``batch_size`` for token generation."""
+    tokens: int
+    """Columns of ``input_ids``: chunk or sequence length for prefill, 1 for token generation."""
+    samples_on_device: bool
+    """True when the graph returns sampled token ids instead of logits."""
+    reads_prior_cache: bool
+    """True when queries may attend to cache positions written by earlier calls."""
+
+
+def graph_kinds(config: NeuronConfig) -> tuple[GraphKind, ...]:
+    """The graphs an artifact built from ``config`` contains: exactly one prefill graph, plus TG."""
+    prefill = GraphKind.CHUNKED_PREFILL if config.prefill_chunk_size else GraphKind.CONTEXT_ENCODING
+    return (prefill, GraphKind.TOKEN_GENERATION)
+
+
+def prefill_kind(config: NeuronConfig) -> GraphKind:
+    """The prefill graph kind of ``config``."""
+    return graph_kinds(config)[0]
+
+
+def graph_spec(config: NeuronConfig, kind: GraphKind) -> GraphSpec:
+    """The static signature of graph ``kind`` under ``config``."""
+    if kind is GraphKind.TOKEN_GENERATION:
+        return GraphSpec(kind, config.batch_size, 1, config.on_device_sampling, True)
+    if kind is GraphKind.CHUNKED_PREFILL:
+        return GraphSpec(kind, 1, config.prefill_chunk_size, False, True)
+    return GraphSpec(kind, 1, config.sequence_length, False, False)
+
+
+def example_inputs(config: NeuronConfig, kind: GraphKind, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Per-call inputs of graph ``kind`` (the KV cache is passed separately), valid for tracing."""
+    spec = graph_spec(config, kind)
+    ids = torch.zeros(spec.batch, spec.tokens, dtype=torch.long)
+    positions = torch.arange(spec.tokens, dtype=torch.long).expand(spec.batch, -1).contiguous()
+    inputs = {"input_ids": ids, "position_ids": positions}
+    if kind.is_prefill:
+        inputs["seq_ids"] = torch.zeros(1, dtype=torch.long)
+    if spec.samples_on_device:
+        inputs.update(sampling_inputs(spec.batch))
+    return inputs
+
+
+def sampling_inputs(batch: int) -> dict[str, torch.Tensor]:
+    """Greedy sampling parameters for ``batch`` rows, in the order the TG graph takes them."""
+    return {
+        "temperature": torch.ones(batch, dtype=torch.float32),
+        "top_k": torch.ones(batch, dtype=torch.long),
+        "top_p": torch.ones(batch, dtype=torch.float32),
+        "uniforms": torch.full((batch,), 0.5, dtype=torch.float32),
+    }
+
+
+def graph_args(kind: GraphKind, inputs: dict[str, torch.Tensor], kv_cache: list[torch.Tensor]) -> tuple:
+    """The positional arguments of graph ``kind``, in the order its module's forward takes them."""
+    if kind.is_prefill:
+        return (inputs["input_ids"], inputs["position_ids"], inputs["seq_ids"], kv_cache)
+    sampling = tuple(inputs[k] for k in ("temperature", "top_k", "top_p", "uniforms") if k in inputs)
+    return (inputs["input_ids"], inputs["position_ids"], kv_cache, *sampling)

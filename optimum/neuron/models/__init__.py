@@ -1,0 +1,1 @@
+"""Static-shape decoder modules per model family."""

@@ -1,0 +1,167 @@
+"""The static-shape decoder shared by every family, and its per-graph wrappers for compilation.
+
+Parameter names equal transformers' (``model.layers.0.self_attn.q_proj.weight``, ...), so the
+weight map is the identity plus strict checks (see `optimum.neuron.weights`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..graphs import GraphKind, GraphSpec
+from .family import Family
+from .layers.attention import Attention, AttentionContext, AttentionDims, ChunkContext, DecodeContext
+from .layers.mlp import GatedMLP
+from .layers.norm import RMSNorm
+from .layers.rope import Rotary
+from .layers.sampling import sample_tokens
+
+
+def attention_dims(hf_config: Any) -> AttentionDims:
+    """Head layout of a transformers config."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return AttentionDims(hf_config.hidden_size, heads, kv_heads, head_dim)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: attention then gated MLP, each with a residual."""
+
+    def __init__(self, family: Family, hf_config: Any) -> None:
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.self_attn = Attention(
+            attention_dims(hf_config),
+            qkv_bias=family.qkv_bias(hf_config),
+            o_bias=family.o_bias(hf_config),
+            qk_norm_eps=eps if family.qk_norm else None,
+        )
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.mlp = GatedMLP(
+            hf_config.hidden_size,
+            hf_config.intermediate_size,
+            hf_config.hidden_act,
+            bias=bool(getattr(hf_config, "mlp_bias", False)),
+        )
+
+    def forward(self, h: torch.Tensor, rope: Any, caches: list[torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, caches, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderBody(nn.Module):
+    """Embeddings, layers, final norm and rotary frequencies (transformers' ``model.`` prefix)."""
+
+    def __init__(self, family: Family, hf_config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(family, hf_config) for _ in range(hf_config.num_hidden_layers))
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        with torch.device("cpu"):  # real frequencies even when the rest is built on the meta device
+            self.rotary_emb = Rotary(family.rotary(hf_config))
+
+
+class StaticDecoder(nn.Module):
+    """A causal LM with static shapes whose forward runs one named graph kind."""
+
+    def __init__(self, family: Family, hf_config: Any, max_topk: int) -> None:
+        super().__init__()
+        self.family = family
+        self.max_topk = max_topk
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = DecoderBody(family, hf_config)
+        self.lm_head: nn.Linear | None = None
+        if not self.tied:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.model.norm(h)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(h, weight).to(torch.float32)
+
+    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: list[torch.Tensor], ctx):
+        h = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb(position_ids, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, rope, kv_cache[2 * i : 2 * i + 2], ctx)
+        return h
+
+    def forward(
+        self,
+        spec: GraphSpec,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        kv_cache: list[torch.Tensor],
+        seq_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run graph ``spec.kind``: prefill kinds return last-real-token logits ``[1, V]``;
+        token generation returns logits ``[B, V]`` (sampling is applied by `TokenGenerationGraph`)."""
+        cache_len = kv_cache[0].shape[2]
+        if spec.kind is GraphKind.TOKEN_GENERATION:
+            ctx: AttentionContext = DecodeContext.build(position_ids, cache_len)
+            return self._logits(self._hidden(input_ids, position_ids, kv_cache, ctx)[:, -1])
+        assert seq_ids is not None, "prefill graphs take the slot id"
+        ctx = ChunkContext.build(seq_ids, position_ids, cache_len, spec.reads_prior_cache)
+        h = self._hidden(input_ids, position_ids, kv_cache, ctx)
+        last = torch.argmax(position_ids[0]).reshape(1)  # invariant 5: max position = last real token
+        return self._logits(h[0].index_select(0, last))
+
+
+class _Graph(nn.Module):
+    """A graph's module: shares the decoder's submodules, so its weight names equal the decoder's."""
+
+    def __init__(self, decoder: StaticDecoder, spec: GraphSpec) -> None:
+        super().__init__()
+        self.model, self.lm_head = decoder.model, decoder.lm_head
+        self.spec = spec
+        self.max_topk = decoder.max_topk
+        self._decoder = [decoder]  # a list: not registered as a submodule (no "decoder." prefix)
+
+    @property
+    def decoder(self) -> StaticDecoder:
+        return self._decoder[0]
+
+
+class PrefillGraph(_Graph):
+    """Exportable signature of the context-encoding and chunked-prefill graphs."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+        kv_cache: list[torch.Tensor],
+    ) -> torch.Tensor:
+        return self.decoder(self.spec, input_ids, position_ids, kv_cache, seq_ids)
+
+
+class TokenGenerationGraph(_Graph):
+    """Exportable signature of the token-generation graph, with or without on-device sampling."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        kv_cache: list[torch.Tensor],
+        temperature: torch.Tensor | None = None,
+        top_k: torch.Tensor | None = None,
+        top_p: torch.Tensor | None = None,
+        uniforms: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        logits = self.decoder(self.spec, input_ids, position_ids, kv_cache)
+        if not self.spec.samples_on_device:
+            return logits
+        assert temperature is not None and top_k is not None and top_p is not None and uniforms is not None
+        return sample_tokens(logits, temperature, top_k, top_p, uniforms, self.max_topk)
+
+
+def graph_module(decoder: StaticDecoder, spec: GraphSpec) -> nn.Module:
+    """The module to trace or run for graph ``spec.kind``."""
+    if spec.kind is GraphKind.TOKEN_GENERATION:
+        return TokenGenerationGraph(decoder, spec)
+    return PrefillGraph(decoder, spec)

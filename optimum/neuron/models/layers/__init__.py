@@ -1,0 +1,1 @@
+"""Building blocks of the static decoders."""

@@ -1,0 +1,34 @@
+"""The one shared KV cache: per layer a K and a V tensor ``[batch_size, kv_heads, sequence_length, head_dim]``.
+
+Graphs receive the list ``[k_0, v_0, k_1, v_1, ...]`` as an input and update it in place by
+scatter at row ``(seq_id, position)`` — flat row ``seq_id * S + position`` (DESIGN.md invariant 2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def allocate_kv_cache(
+    num_layers: int, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype: torch.dtype, device: str
+) -> list[torch.Tensor]:
+    """Zero-filled K and V tensors for every layer, allocated once by the runtime."""
+    shape = (batch, kv_heads, seq_len, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * num_layers)]
+
+
+def write_rows(cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, new: torch.Tensor) -> None:
+    """Scatter ``new [B, H, T, D]`` into ``cache`` at ``(rows[b], positions[b, t])`` in place.
+
+    ``rows [B]`` are KV slots, ``positions [B, T]`` cache positions. Duplicate positions (padding)
+    carry bitwise-identical values (invariant 4), so their write order does not matter.
+    """
+    batch, _, tokens, _ = new.shape
+    row_index = rows[:, None].expand(batch, tokens).reshape(-1)
+    values = new.transpose(1, 2).reshape(batch * tokens, new.shape[1], new.shape[3])
+    torch.ops.aten.index_put_(cache, [row_index, None, positions.reshape(-1)], values)
+
+
+def read_slot(cache: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+    """The whole cache of the slots ``seq_ids [N]`` -> ``[N, H, S, D]``."""
+    return cache.index_select(0, seq_ids)

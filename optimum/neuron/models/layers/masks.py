@@ -1,0 +1,42 @@
+"""Attention masks (boolean, True = attend). The only place masking rules live (invariant 4).
+
+Masked positions are excluded by the attention kernel; no dtype minimum is ever fed to ``exp``
+(invariant 7).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def actual_tokens_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` -> ``[B, T]``: True where a token is real, i.e. its position id is strictly larger
+    than its predecessor's; index 0 is always real. Padding repeats the last real position."""
+    first = torch.ones_like(position_ids[:, :1], dtype=torch.bool)
+    return torch.cat((first, position_ids[:, 1:] > position_ids[:, :-1]), dim=1)
+
+
+def chunk_mask(position_ids: torch.Tensor, cache_len: int, reads_prior: bool) -> torch.Tensor:
+    """Mask of a prefill chunk ``position_ids [1, C]`` over keys ``[cache (S) | chunk (C)]``.
+
+    A query attends to cache positions before the chunk's first position, and to chunk keys that
+    are causal and real. A padded query (duplicate of the last real token) therefore sees exactly
+    the keys the real last token sees. Without ``reads_prior`` only the chunk part is returned.
+    Result: ``[1, 1, C, S + C]`` (or ``[1, 1, C, C]``).
+    """
+    tokens = position_ids.shape[1]
+    index = torch.arange(tokens, device=position_ids.device)
+    causal = index[None, :] <= index[:, None]
+    inside = causal & actual_tokens_mask(position_ids)[0][None, :]
+    if not reads_prior:
+        return inside[None, None]
+    keys = torch.arange(cache_len, device=position_ids.device)
+    prior = (keys < position_ids[0, 0])[None, :].expand(tokens, cache_len)
+    return torch.cat((prior, inside), dim=1)[None, None]
+
+
+def decode_mask(position_ids: torch.Tensor, cache_len: int) -> torch.Tensor:
+    """Mask of one new token per slot, ``position_ids [B, 1]``: cache keys up to its own position.
+    Result: ``[B, 1, 1, S]``."""
+    keys = torch.arange(cache_len, device=position_ids.device)
+    return (keys[None, :] <= position_ids)[:, None, None, :]

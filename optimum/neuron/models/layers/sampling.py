@@ -1,0 +1,40 @@
+"""Token sampling from logits: the one sampling rule, used inside the token-generation graph
+(on-device sampling) and on the host for prefill logits (hybrid sampling, invariant 6).
+
+It is a pure function: randomness comes in as one uniform per row, drawn by the caller from a
+seeded generator, so the same seed gives the same tokens on every backend and path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NEG = -1.0e30  # finite large negative in fp32: never the dtype minimum (invariant 7)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    max_topk: int,
+) -> torch.Tensor:
+    """Sample one token per row of ``logits [B, V]``.
+
+    ``top_k [B]`` in ``1..max_topk`` (1 = greedy), ``temperature [B] > 0``, ``top_p [B]`` in
+    ``(0, 1]``, ``uniforms [B]`` in ``[0, 1)``. Candidates are the ``max_topk`` largest logits;
+    the kept ones are renormalized and the token is picked by inverse CDF at the uniform.
+    """
+    k = min(max_topk, logits.shape[-1])
+    values, indices = torch.topk(logits.to(torch.float32), k, dim=-1)
+    rank = torch.arange(k, device=logits.device)[None, :]
+    scaled = values / temperature.to(torch.float32)[:, None]
+    scaled = torch.where(rank < top_k[:, None], scaled, torch.full_like(scaled, _NEG))
+    probs = torch.softmax(scaled, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    probs = torch.where((mass_before < top_p[:, None]) | (rank == 0), probs, torch.zeros_like(probs))
+    cdf = torch.cumsum(probs, dim=-1)
+    threshold = uniforms.to(torch.float32)[:, None] * cdf[:, -1:]
+    choice = (cdf <= threshold).sum(dim=-1).clamp(max=k - 1)
+    return indices.gather(1, choice[:, None]).squeeze(1)

@@ -1,0 +1,37 @@
+"""Model registry: transformers ``model_type`` -> static-decoder `Family`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import UnsupportedModelError
+from .base import StaticDecoder
+from .family import Family
+from .llama import LLAMA
+from .mistral import MISTRAL
+from .qwen2 import QWEN2
+from .qwen3 import QWEN3
+
+FAMILIES: dict[str, Family] = {t: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL) for t in f.model_types}
+
+
+def supported_model_types() -> list[str]:
+    """The ``model_type`` values that can be exported."""
+    return sorted(FAMILIES)
+
+
+def family_for(hf_config: Any) -> Family:
+    """The family of a transformers config, or `UnsupportedModelError` naming the supported ones."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported model types: {', '.join(supported_model_types())}."
+        )
+    return FAMILIES[model_type]
+
+
+def build_decoder(hf_config: Any, sequence_length: int, max_topk: int) -> StaticDecoder:
+    """An uninitialized static decoder for ``hf_config`` (weights are loaded separately)."""
+    family = family_for(hf_config)
+    family.check(hf_config, sequence_length)
+    return StaticDecoder(family, hf_config, max_topk)

@@ -1,0 +1,123 @@
+"""Artifact layout, manifest and checks. An artifact directory holds::
+
+config.json, generation_config.json, tokenizer files    (transformers)
+neuron_config.json                                      (NeuronConfig + versions + graph list)
+model.safetensors                                       (the one weight set, target dtype)
+graphs/<kind><suffix>                                   (one compiled graph per kind)
+graphs/manifest.json                                    (sha256 of each graph file, weight shapes)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from ..config import CONFIG_FILE, NeuronConfig, load_config_file
+from ..errors import ArtifactError
+from ..graphs import GraphKind, graph_kinds
+
+WEIGHTS_FILE = "model.safetensors"
+GRAPHS_DIR = "graphs"
+MANIFEST_FILE = "manifest.json"
+
+
+def graph_file(kind: GraphKind, suffix: str) -> str:
+    """Relative path of graph ``kind`` inside an artifact."""
+    return f"{GRAPHS_DIR}/{kind.value}{suffix}"
+
+
+def sha256_of(path: Path) -> str:
+    """Hex digest of a file."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def weight_signature(weights: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
+    """Name -> [shape, dtype] of every tensor of a weight set."""
+    return {name: [list(t.shape), str(t.dtype)] for name, t in sorted(weights.items())}
+
+
+def write_manifest(root: Path, files: dict[GraphKind, str], weights: dict[str, torch.Tensor]) -> None:
+    """Record each graph file's hash and the weight signature the graphs were compiled against."""
+    body = {
+        "graphs": {kind.value: {"file": f, "sha256": sha256_of(root / f)} for kind, f in files.items()},
+        "weights": weight_signature(weights),
+    }
+    (root / GRAPHS_DIR / MANIFEST_FILE).write_text(json.dumps(body, indent=1))
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """An exported model directory, opened and checked."""
+
+    root: Path
+    config: NeuronConfig
+    manifest: dict[str, Any]
+
+    @classmethod
+    def open(cls, path: str | Path) -> Artifact:
+        """Open ``path``; `ArtifactError` when anything is missing or does not match."""
+        root = Path(path)
+        for name in (CONFIG_FILE, "config.json", WEIGHTS_FILE, f"{GRAPHS_DIR}/{MANIFEST_FILE}"):
+            if not (root / name).is_file():
+                raise ArtifactError(
+                    f"{root} is not an optimum-neuronx artifact: {name} is missing. Export one with "
+                    "`optimum-cli export neuron --model <hf folder> ... <output dir>`."
+                )
+        config = load_config_file((root / CONFIG_FILE).read_text())
+        manifest = _read_json(root / GRAPHS_DIR / MANIFEST_FILE)
+        expected = [k.value for k in graph_kinds(config)]
+        if sorted(manifest.get("graphs", {})) != sorted(expected):
+            raise ArtifactError(f"{root}: manifest lists graphs {sorted(manifest['graphs'])}, config needs {expected}.")
+        return cls(root, config, manifest)
+
+    def hf_config(self) -> Any:
+        """The transformers config saved in the artifact."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.root)
+
+    def graph_path(self, kind: GraphKind) -> Path:
+        """Path of graph ``kind``, checked against its recorded hash."""
+        entry = self.manifest["graphs"].get(kind.value)
+        if entry is None:
+            raise ArtifactError(f"{self.root} has no {kind.value} graph; it was exported with other flags.")
+        path = self.root / entry["file"]
+        if not path.is_file():
+            raise ArtifactError(f"graph file {path} is missing; re-export the model.")
+        if sha256_of(path) != entry["sha256"]:
+            raise ArtifactError(f"graph file {path} does not match its recorded hash (corrupt); re-export the model.")
+        return path
+
+    def load_weights(self, device: str) -> dict[str, torch.Tensor]:
+        """The weight set, checked against the signature the graphs were compiled with."""
+        path = self.root / WEIGHTS_FILE
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                handle.keys()
+            weights = load_file(str(path), device=device)
+        except Exception as err:  # safetensors raises its own error types on a bad file
+            raise ArtifactError(f"cannot read weights {path} ({err}); re-export the model.") from err
+        if weight_signature(weights) != self.manifest.get("weights"):
+            raise ArtifactError(
+                f"{path} does not match the weights the graphs were compiled with (names, shapes or dtypes "
+                "differ); re-export the model."
+            )
+        return weights
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ArtifactError(f"cannot read {path} ({err}); re-export the model.") from err

@@ -1,0 +1,32 @@
+"""Test helpers: `subprocess_test` runs a test alone in a fresh interpreter."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+_CHILD = "OPTIMUM_NEURON_IN_SUBPROCESS"
+
+
+def subprocess_test(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Re-run the decorated test alone in a fresh ``pytest`` process (vLLM engines, compiled runners
+    and distributed groups hold process-global state). The parent fails with the child's output."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if os.environ.get(_CHILD) == "1":
+            return fn(*args, **kwargs)
+        node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
+        env = {**os.environ, _CHILD: "1"}
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", node]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise AssertionError(f"subprocess test {node} failed:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}")
+        assert " passed" in done.stdout, f"subprocess test {node} did not run:\n{done.stdout[-2000:]}"
+        return None
+
+    return wrapper
