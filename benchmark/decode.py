@@ -1,0 +1,177 @@
+"""Decode latency benchmark: ms per token-generation step for SmolLM2-135M, ours vs transformers,
+and each configuration's ratio to the memory-bandwidth floor (weight bytes / copy bandwidth).
+
+    .venv/bin/python -m benchmark.decode [--quick]
+
+Each measurement runs in a fresh process (a process that just compiled runs slower). Results go
+to ``benchmark/results/<machine>/decode.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmark.machine import copy_bandwidth, describe
+
+RESULTS = Path(__file__).parent / "results"
+SEQUENCE_LENGTH, CHUNK, CONTEXT = 1024, 256, 256
+
+
+def _prompts(batch: int, length: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(100, 40000, (length,), generator=generator).tolist() for _ in range(batch)]
+
+
+def measure_ours(artifact: str, batch: int, steps: int) -> list[float]:
+    """Per-step decode times (s) of our engine with ``batch`` live slots after a CONTEXT-token prefill."""
+    from optimum.neuron import NeuronModelForCausalLM
+
+    engine = NeuronModelForCausalLM.from_pretrained(artifact).engine
+    tokens = {}
+    for slot, prompt in enumerate(_prompts(batch, CONTEXT)):
+        tokens[slot] = int(engine.prefill(prompt, slot).argmax())
+    times = []
+    for step in range(steps + 3):
+        active = {slot: (tok, CONTEXT + step) for slot, tok in tokens.items()}
+        start = time.perf_counter()
+        tokens = engine.decode(active, {})
+        times.append(time.perf_counter() - start)
+    return times[3:]
+
+
+def measure_transformers(model_dir: str, dtype: str, batch: int, steps: int) -> list[float]:
+    """Per-step times (s) of transformers eager decoding with its dynamic KV cache."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    ids = torch.tensor(_prompts(batch, CONTEXT))
+    times = []
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(steps + 3):
+            start = time.perf_counter()
+            out = model(token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - start)
+    return times[3:]
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    if spec["impl"] == "transformers":
+        times = measure_transformers(spec["model_dir"], spec["dtype"], spec["batch"], spec["steps"])
+    else:
+        times = measure_ours(spec["artifact"], spec["batch"], spec["steps"])
+    print(
+        json.dumps(
+            {"median_ms": 1000 * statistics.median(times), "p90_ms": 1000 * sorted(times)[int(0.9 * len(times))]}
+        )
+    )
+
+
+def run_fresh(spec: dict[str, Any]) -> dict[str, float]:
+    """Run one measurement in a fresh interpreter."""
+    cmd = [sys.executable, "-m", "benchmark.decode", "--worker", json.dumps(spec)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def weight_bytes(model_dir: str, dtype: str) -> int:
+    """Bytes of weights read by one decode step (tied embeddings counted once)."""
+    from transformers import AutoConfig
+
+    from optimum.neuron.models.registry import build_decoder
+
+    with torch.device("meta"):
+        decoder = build_decoder(AutoConfig.from_pretrained(model_dir), SEQUENCE_LENGTH, 1)
+    size = {"fp32": 4, "bf16": 2}[dtype]
+    return sum(p.numel() for p in decoder.parameters()) * size
+
+
+def export_for(model_dir: Path, dtype: str, backend: str, batch: int) -> str:
+    """The benchmarked artifact (cached export)."""
+    from optimum.exporters.neuron.cache import cache_root
+    from optimum.exporters.neuron.export import export
+    from optimum.neuron.config import NeuronConfig
+
+    config = NeuronConfig(
+        batch_size=batch,
+        sequence_length=SEQUENCE_LENGTH,
+        prefill_chunk_size=CHUNK,
+        auto_cast_type=dtype,
+        backend=backend,
+    )
+    out = cache_root() / "bench" / f"smollm2-{dtype}-{backend}-b{batch}"
+    return str(export(model_dir, out, config))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="fp32 only, batch 1, 8 steps")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--machine", default="cpu-2core", help="results subfolder name")
+    args = parser.parse_args()
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return
+    from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
+
+    dtypes, batches = (["fp32"], [1]) if args.quick else (["fp32", "bf16"], [1, 4])
+    steps = 8 if args.quick else args.steps
+    rows = []
+    bandwidth = copy_bandwidth()
+    for dtype in dtypes:
+        model_dir = convert_smollm2(default_smollm2_dir(dtype), dtype=dtype)
+        floor_ms = 1000 * weight_bytes(str(model_dir), dtype) / bandwidth
+        for batch in batches:
+            ref = run_fresh(
+                {"impl": "transformers", "model_dir": str(model_dir), "dtype": dtype, "batch": batch, "steps": steps}
+            )
+            rows.append((dtype, batch, "transformers eager", ref, floor_ms, ref["median_ms"]))
+            for backend in ("eager", "inductor"):
+                artifact = export_for(model_dir, dtype, backend, batch)
+                got = run_fresh({"impl": "ours", "artifact": artifact, "batch": batch, "steps": steps})
+                rows.append((dtype, batch, f"optimum-neuronx {backend}", got, floor_ms, ref["median_ms"]))
+    write_report(args.machine, rows, bandwidth, steps)
+
+
+def write_report(machine: str, rows: list, bandwidth: float, steps: int) -> None:
+    """Markdown table of the results under benchmark/results/<machine>/decode.md."""
+    info = describe()
+    lines = [
+        "# Decode step latency: SmolLM2-135M-Instruct",
+        "",
+        f"Command: `.venv/bin/python -m benchmark.decode` ({steps} timed steps after 3 warm-up, context {CONTEXT} "
+        f"tokens, S={SEQUENCE_LENGTH}, C={CHUNK}; each row in a fresh process).",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()),
+        f"Copy bandwidth: {bandwidth / 1e9:.1f} GB/s copied (read + write = {2 * bandwidth / 1e9:.1f} GB/s). "
+        "Floor = weight bytes / copy bandwidth (one read of every weight per step).",
+        "",
+        "| dtype | batch | implementation | median ms/step | p90 ms/step | x floor | x transformers |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for dtype, batch, impl, got, floor_ms, ref_ms in rows:
+        lines.append(
+            f"| {dtype} | {batch} | {impl} | {got['median_ms']:.1f} | {got['p90_ms']:.1f} | "
+            f"{got['median_ms'] / floor_ms:.2f} | {got['median_ms'] / ref_ms:.2f} |"
+        )
+    out = RESULTS / machine / "decode.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(out.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Machine description, load and memory bandwidth, recorded with every benchmark result."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (or the platform string)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe() -> dict[str, str]:
+    """What ran the benchmark: CPU, cores, memory, versions, current load."""
+    import transformers
+
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "cpu": cpu_model(),
+        "cores": str(os.cpu_count()),
+        "memory": f"{mem_gb:.0f} GiB",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "load_avg_1m": f"{os.getloadavg()[0]:.2f}",
+    }
+
+
+def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes copied per second (each byte read once and written once), best of ``repeats``."""
+    source = torch.empty(megabytes * 2**20, dtype=torch.uint8).fill_(1)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return source.numel() / best
