@@ -14,16 +14,25 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", required=True, help="Local transformers checkpoint folder.")
     parser.add_argument("--batch_size", type=int, default=1, help="KV slots / sequences decoded together.")
     parser.add_argument("--sequence_length", type=int, default=1024, help="Tokens per sequence (prompt + new).")
-    parser.add_argument("--prefill_chunk_size", type=int, default=0,
-                        help="0: one context-encoding graph [1, S]; C > 0: a chunked-prefill graph [1, C].")
+    parser.add_argument(
+        "--prefill_chunk_size",
+        type=int,
+        default=0,
+        help="0: one context-encoding graph [1, S]; C > 0: a chunked-prefill graph [1, C].",
+    )
     parser.add_argument("--tensor_parallel_size", type=int, default=1, help="Only 1 is supported.")
     parser.add_argument("--auto_cast_type", choices=("fp32", "bf16", "fp16"), default="fp32", help="Compute dtype.")
-    parser.add_argument("--backend", choices=("inductor", "eager", "neuron"), default="inductor",
-                        help="inductor: AOTInductor packages (CPU/CUDA); eager: reference; neuron: not available here.")
+    parser.add_argument(
+        "--backend",
+        choices=("inductor", "eager", "neuron"),
+        default="inductor",
+        help="inductor: AOTInductor packages (CPU/CUDA); eager: reference; neuron: not available here.",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda", "neuron"), default="cpu", help="Target device.")
     parser.add_argument("--max_topk", type=int, default=256, help="Largest top_k of on-device sampling.")
-    parser.add_argument("--no_on_device_sampling", action="store_true",
-                        help="Token generation returns logits, sampled on the host.")
+    parser.add_argument(
+        "--no_on_device_sampling", action="store_true", help="Token generation returns logits, sampled on the host."
+    )
     parser.add_argument("--no_cache", action="store_true", help="Always compile, ignoring the export cache.")
     parser.add_argument("output", type=Path, help="Output artifact directory.")
 

@@ -23,6 +23,11 @@ class Backend(ABC):
     suffix: str
     """File name suffix of a compiled graph, e.g. ``.pt2``."""
 
+    def placement(self, device: str) -> str | torch.device:
+        """Where the runtime puts weights, KV cache and inputs for graphs of this backend that run on
+        ``device`` (a `NeuronConfig.device`). Most backends use the device as named."""
+        return device
+
     @abstractmethod
     def compile(self, module: nn.Module, args: tuple, path: Path) -> None:
         """Trace/compile ``module`` for the example ``args`` and write the graph to ``path``."""

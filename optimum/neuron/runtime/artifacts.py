@@ -99,13 +99,13 @@ class Artifact:
             raise ArtifactError(f"graph file {path} does not match its recorded hash (corrupt); re-export the model.")
         return path
 
-    def load_weights(self, device: str) -> dict[str, torch.Tensor]:
+    def load_weights(self, device: str | torch.device) -> dict[str, torch.Tensor]:
         """The weight set, checked against the signature the graphs were compiled with."""
         path = self.root / WEIGHTS_FILE
         try:
             with safe_open(str(path), framework="pt") as handle:
                 handle.keys()
-            weights = load_file(str(path), device=device)
+            weights = load_file(str(path))
         except Exception as err:  # safetensors raises its own error types on a bad file
             raise ArtifactError(f"cannot read weights {path} ({err}); re-export the model.") from err
         if weight_signature(weights) != self.manifest.get("weights"):
@@ -113,7 +113,7 @@ class Artifact:
                 f"{path} does not match the weights the graphs were compiled with (names, shapes or dtypes "
                 "differ); re-export the model."
             )
-        return weights
+        return {name: tensor.to(device) for name, tensor in weights.items()}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from ..models.registry import build_decoder
 from ..weights import bind_weights
 from .artifacts import Artifact
 from .padding import decode_rows, pad_chunk, split_chunks
-from .slots import SlotTable
 from .sampling import SequenceSampler, sample_on_host, sampling_tensors
+from .slots import SlotTable
 
 
 class Engine:
@@ -31,14 +31,14 @@ class Engine:
         self.artifact = artifact
         self.config = artifact.config
         self.hf_config = artifact.hf_config()
-        self.device = self.config.device
+        backend = get_backend(self.config.backend)
+        self.device = backend.placement(self.config.device)
         self.weights = artifact.load_weights(self.device)
         self.kv_cache = self._allocate_cache()
         self.slots = SlotTable(self.config.batch_size)
         self.next_free = [0] * self.config.batch_size
         """Per slot, the first cache position not yet written by this slot's sequence."""
         self._decoder: StaticDecoder | None = None
-        backend = get_backend(self.config.backend)
         self.graphs = {
             kind: backend.load(artifact.graph_path(kind), self.weights, partial(self._module, kind))
             for kind in graph_kinds(self.config)

@@ -10,11 +10,18 @@ import torch
 
 
 def allocate_kv_cache(
-    num_layers: int, batch: int, kv_heads: int, seq_len: int, head_dim: int, dtype: torch.dtype, device: str
+    num_layers: int,
+    batch: int,
+    kv_heads: int,
+    seq_len: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
 ) -> list[torch.Tensor]:
-    """Zero-filled K and V tensors for every layer, allocated once by the runtime."""
+    """Zero-filled K and V tensors for every layer, allocated once by the runtime (built on the host,
+    then moved: lazy device-side creation would change an XLA graph)."""
     shape = (batch, kv_heads, seq_len, head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * num_layers)]
+    return [torch.zeros(shape, dtype=dtype).to(device) for _ in range(2 * num_layers)]
 
 
 def write_rows(cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, new: torch.Tensor) -> None:
