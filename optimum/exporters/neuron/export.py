@@ -66,22 +66,13 @@ def export(model_dir: str | Path, output_dir: str | Path, config: NeuronConfig, 
 
         Console(stderr=True).print(f"[green]export cache hit[/green] {cached}")
     if output_dir.resolve() != cached.resolve():
-        _link_tree(cached, output_dir)
+        _copy_tree(cached, output_dir)
     return output_dir
 
 
-def _link_tree(source: Path, target: Path) -> None:
-    target.mkdir(parents=True, exist_ok=True)
-    for path in source.rglob("*"):
-        dest = target / path.relative_to(source)
-        if path.is_dir():
-            dest.mkdir(parents=True, exist_ok=True)
-            continue
-        dest.unlink(missing_ok=True)
-        try:
-            os.link(path, dest)
-        except OSError:
-            shutil.copy2(path, dest)
+def _copy_tree(source: Path, target: Path) -> None:
+    """Copy (not link) the cached artifact: editing the output must never alter the cache."""
+    shutil.copytree(source, target, dirs_exist_ok=True)
 
 
 def _build(model_dir: Path, out: Path, config: NeuronConfig) -> None:
