@@ -79,6 +79,7 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig) -> None:
     from transformers import AutoConfig
 
     backend = get_backend(config.backend)
+    backend.placement(config.device)  # refuses an unavailable device before any work
     kinds = graph_kinds(config)
     (out / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
     with StepProgress(f"export {model_dir.name} ({config.backend}, {config.device})", 2 + len(kinds)) as bar:

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import BackendUnavailableError
+
 LoadedGraph = Callable[..., torch.Tensor]
 """A loaded graph: called with the graph's positional inputs (see `optimum.neuron.graphs.graph_args`)."""
 
@@ -26,6 +28,12 @@ class Backend(ABC):
     def placement(self, device: str) -> str | torch.device:
         """Where the runtime puts weights, KV cache and inputs for graphs of this backend that run on
         ``device`` (a `NeuronConfig.device`). Most backends use the device as named."""
+        if device == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailableError(
+                f"--device cuda was requested for the {self.name} backend but torch sees no CUDA device "
+                f"(torch {torch.__version__}): use --device cpu, or run on a machine with an NVIDIA GPU and a CUDA "
+                "build of torch."
+            )
         return device
 
     @abstractmethod
