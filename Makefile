@@ -30,8 +30,8 @@ test-fast: install
 	$(PYTHON) -m pytest -q -m "not slow" tests
 
 lint: install
-	$(BIN)/ruff check optimum tests benchmark
-	$(BIN)/ruff format --check optimum tests benchmark
+	$(BIN)/ruff check optimum tests benchmark scripts
+	$(BIN)/ruff format --check optimum tests benchmark scripts
 	$(BIN)/mypy optimum
 
 export-fixtures: install

@@ -37,9 +37,16 @@ def prompt(length: int, seed: int = 0) -> torch.Tensor:
 
 
 def hf_greedy(model: torch.nn.Module, ids: torch.Tensor, new: int = NEW_TOKENS) -> list[int]:
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                         eos_token_id=None, pad_token_id=0, min_new_tokens=new)
-    return out[0, ids.shape[1]:].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        min_new_tokens=new,
+    )
+    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.slow
@@ -73,14 +80,16 @@ def test_prefill_logits_match(family: str, backend: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama-2x4x8-inductor", "qwen2-2x1x32-ce-inductor", "llama-2x4x8-hostsampling-inductor"])
+@pytest.mark.parametrize(
+    "name", ["llama-2x4x8-inductor", "qwen2-2x1x32-ce-inductor", "llama-2x4x8-hostsampling-inductor"]
+)
 def test_mixed_batch_equals_alone(name: str) -> None:
     model = neuron_model(name)
     short, long = prompt(3, seed=1)[0], prompt(2 * CHUNK + 5, seed=2)[0]
     width = long.shape[0]
     ids = torch.zeros(2, width, dtype=torch.long)
     mask = torch.zeros(2, width, dtype=torch.long)
-    ids[0, width - 3:], mask[0, width - 3:] = short, 1  # left padding
+    ids[0, width - 3 :], mask[0, width - 3 :] = short, 1  # left padding
     ids[1], mask[1] = long, 1
     together = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=[])[:, width:]
     alone_short = model.generate(short[None], max_new_tokens=NEW_TOKENS, eos_token_id=[])[0, 3:]
@@ -90,12 +99,20 @@ def test_mixed_batch_equals_alone(name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama-2x4x8-inductor", "llama-2x1x32-ce-inductor", "llama-2x4x8-hostsampling-inductor"])
+@pytest.mark.parametrize(
+    "name", ["llama-2x4x8-inductor", "llama-2x1x32-ce-inductor", "llama-2x4x8-hostsampling-inductor"]
+)
 def test_seeded_sampling(name: str) -> None:
     model = neuron_model(name)
     ids = prompt(CHUNK + 3)
-    kwargs = {"max_new_tokens": 12, "do_sample": True, "temperature": 1.5, "top_k": 50, "top_p": 0.95,
-              "eos_token_id": []}
+    kwargs = {
+        "max_new_tokens": 12,
+        "do_sample": True,
+        "temperature": 1.5,
+        "top_k": 50,
+        "top_p": 0.95,
+        "eos_token_id": [],
+    }
     first = model.generate(ids, seed=7, **kwargs)
     assert torch.equal(first, model.generate(ids, seed=7, **kwargs))
     assert not torch.equal(first, model.generate(ids, seed=8, **kwargs)), "different seeds gave the same tokens"
