@@ -92,9 +92,8 @@ def main() -> None:
     if args.ttft_worker:
         _ttft_worker(args.ttft_worker, args.repeats)
         return
-    from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
-
     from optimum.exporters.neuron.cache import cache_root
+    from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
 
     model_dir = str(convert_smollm2(default_smollm2_dir(args.dtype), dtype=args.dtype))
     rows: dict[str, dict[str, Any]] = {}

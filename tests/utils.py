@@ -25,8 +25,17 @@ def subprocess_test(fn: Callable[..., Any]) -> Callable[..., Any]:
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", node]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
-            raise AssertionError(f"subprocess test {node} failed:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}")
+            raise AssertionError(
+                f"subprocess test {node} failed:\n{_failure_report(done.stdout)}\n{done.stderr[-3000:]}"
+            )
         assert " passed" in done.stdout, f"subprocess test {node} did not run:\n{done.stdout[-2000:]}"
         return None
 
     return wrapper
+
+
+def _failure_report(stdout: str) -> str:
+    """The child's failure section (where the assertion is), not the tail of the logs captured after it."""
+    start = stdout.find("= FAILURES =")
+    report = stdout[start:] if start >= 0 else stdout
+    return report[:8000] + ("\n[...]\n" + report[-2000:] if len(report) > 10000 else report[8000:])

@@ -84,10 +84,7 @@ class NeuronConfig:
     @classmethod
     def from_json(cls, text: str) -> NeuronConfig:
         """Parse and check a ``neuron_config.json``; raises `ArtifactError` when it does not fit."""
-        try:
-            body = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ArtifactError(f"{CONFIG_FILE} is not valid JSON ({err}); re-export the model.") from err
+        body = _parse_json(text)
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         fields = {k: v for k, v in body.items() if k in names}
         if _fields_hash(fields) != body.get("hash"):
@@ -99,6 +96,16 @@ class NeuronConfig:
 def runtime_versions() -> dict[str, str]:
     """Versions that must match between export and load."""
     return {"optimum-neuronx": __version__, "torch": torch.__version__.split("+")[0]}
+
+
+def _parse_json(text: str) -> dict[str, Any]:
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ArtifactError(f"{CONFIG_FILE} is not valid JSON ({err}); re-export the model.") from err
+    if not isinstance(body, dict):
+        raise ArtifactError(f"{CONFIG_FILE} is not a JSON object; re-export the model.")
+    return body
 
 
 def _fields_hash(fields: dict[str, Any]) -> str:
@@ -154,12 +161,12 @@ def _check_sampling(config: NeuronConfig) -> None:
 
 
 def load_config_file(text: str) -> NeuronConfig:
-    """Parse ``neuron_config.json`` and refuse an artifact made by other toolkit/torch versions."""
-    config = NeuronConfig.from_json(text)
-    found, expected = config.extra.get("versions", {}), runtime_versions()
+    """Parse ``neuron_config.json`` and refuse an artifact made by other toolkit/torch versions (checked
+    first: another version may have other fields, which is not corruption)."""
+    found, expected = _parse_json(text).get("versions", {}), runtime_versions()
     if found != expected:
         raise ArtifactError(
             f"artifact was exported with {found}, this environment has {expected}: re-export the model "
             "with this environment (optimum-cli export neuron ...)."
         )
-    return config
+    return NeuronConfig.from_json(text)

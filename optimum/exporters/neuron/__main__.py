@@ -39,9 +39,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> Path:
     """Build the `NeuronConfig` from parsed flags and export."""
+    from ...neuron.backends import get_backend
     from ...neuron.config import NeuronConfig
     from .export import export
 
+    get_backend(args.backend).placement(args.device)  # an unavailable backend or device is named first
     config = NeuronConfig(
         batch_size=args.batch_size,
         sequence_length=args.sequence_length,

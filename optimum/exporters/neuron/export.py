@@ -17,10 +17,11 @@ from safetensors.torch import save_file
 
 from ...neuron.backends import get_backend
 from ...neuron.config import CONFIG_FILE, NeuronConfig
+from ...neuron.errors import UnsupportedModelError, WeightLoadingError
 from ...neuron.graphs import GraphKind, example_inputs, graph_args, graph_kinds, graph_spec
 from ...neuron.models.base import StaticDecoder, attention_dims, graph_module
 from ...neuron.models.layers.kv_cache import allocate_kv_cache
-from ...neuron.models.registry import build_decoder
+from ...neuron.models.registry import build_decoder, supported_model_types
 from ...neuron.progress import StepProgress
 from ...neuron.runtime.artifacts import GRAPHS_DIR, WEIGHTS_FILE, graph_file, sha256_of, write_manifest
 from ...neuron.weights import bind_weights, constants_of, map_state_dict, read_checkpoint
@@ -50,6 +51,11 @@ def model_fingerprint(model_dir: Path) -> str:
 def export(model_dir: str | Path, output_dir: str | Path, config: NeuronConfig, use_cache: bool = True) -> Path:
     """Export ``model_dir`` under ``config`` into ``output_dir`` (reusing the export cache)."""
     model_dir, output_dir = Path(model_dir), Path(output_dir)
+    if not (model_dir / "config.json").is_file():
+        raise WeightLoadingError(
+            f"{model_dir} is not a transformers checkpoint folder (no config.json there): point --model at a "
+            "local folder written by save_pretrained."
+        )
     key = config.cache_key(f"{model_fingerprint(model_dir)}:{code_fingerprint()}")
     cached = cache_root() / "exports" / key
     if not use_cache:
@@ -58,7 +64,11 @@ def export(model_dir: str | Path, output_dir: str | Path, config: NeuronConfig, 
     if not (cached / CONFIG_FILE).is_file():
         staging = cached.with_name(f"{key}.tmp{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
-        _build(model_dir, staging, config)
+        try:
+            _build(model_dir, staging, config)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)  # a failed export leaves nothing in the cache
+            raise
         shutil.rmtree(cached, ignore_errors=True)
         staging.rename(cached)
     else:
@@ -72,19 +82,23 @@ def export(model_dir: str | Path, output_dir: str | Path, config: NeuronConfig, 
 
 def _copy_tree(source: Path, target: Path) -> None:
     """Copy (not link) the cached artifact: editing the output must never alter the cache."""
-    shutil.copytree(source, target, dirs_exist_ok=True)
+    shutil.copytree(source, target, dirs_exist_ok=True, copy_function=_replace_file)
+
+
+def _replace_file(source: str, target: str) -> str:
+    """Copy a file over ``target`` without writing through it: an old hard link stays untouched."""
+    Path(target).unlink(missing_ok=True)
+    return shutil.copy2(source, target)
 
 
 def _build(model_dir: Path, out: Path, config: NeuronConfig) -> None:
-    from transformers import AutoConfig
-
     backend = get_backend(config.backend)
     backend.placement(config.device)  # refuses an unavailable device before any work
     kinds = graph_kinds(config)
     (out / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
     with StepProgress(f"export {model_dir.name} ({config.backend}, {config.device})", 2 + len(kinds)) as bar:
         with bar.step("load checkpoint"):
-            hf_config = AutoConfig.from_pretrained(model_dir)
+            hf_config = _hf_config(model_dir)
             decoder, weights = load_decoder(hf_config, model_dir, config)
             kv_cache = _cache_for(hf_config, config)
         files: dict[GraphKind, str] = {}
@@ -101,6 +115,19 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig) -> None:
             write_manifest(out, files, weights)
             _copy_hf_files(model_dir, out, hf_config)
             (out / CONFIG_FILE).write_text(config.to_json([k.value for k in kinds]))
+
+
+def _hf_config(model_dir: Path) -> Any:
+    """The checkpoint's transformers config; an architecture transformers does not know is unsupported."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except ValueError as err:  # transformers' error for an unknown model_type
+        raise UnsupportedModelError(
+            f"transformers cannot read {model_dir / 'config.json'} ({str(err).splitlines()[0]}); supported model "
+            f"types: {', '.join(supported_model_types())}."
+        ) from err
 
 
 def load_decoder(hf_config: Any, model_dir: Path, config: NeuronConfig) -> tuple[StaticDecoder, dict]:

@@ -17,7 +17,14 @@ from torch import nn
 from ..errors import ArtifactError
 from .base import Backend, GraphFactory, LoadedGraph
 
-_INDUCTOR_OPTIONS = {"aot_inductor.package_constants_in_so": False}
+_INDUCTOR_OPTIONS = {
+    "aot_inductor.package_constants_in_so": False,
+    # bf16/fp16: round every intermediate to the low-precision dtype as eager PyTorch does. By default
+    # inductor keeps fused chains in fp32 (rope's x*cos + rot*sin, silu(gate)*up), which drifts from
+    # eager and transformers by 1-2 ulps per op and flipped SmolLM2's near-tie first token (tests/models/
+    # test_bf16.py). No effect on fp32 graphs.
+    "emulate_precision_casts": True,
+}
 
 
 class InductorBackend(Backend):
@@ -67,7 +74,13 @@ def _check_archive(path: Path) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
+            foreign = [n for n in archive.namelist() if not n.startswith(f"{path.stem}/")]
     except (zipfile.BadZipFile, OSError) as err:
         raise ArtifactError(f"compiled graph {path} is not a valid package ({err}); re-export the model.") from err
     if bad is not None:
         raise ArtifactError(f"compiled graph {path} is corrupt (member {bad}); re-export the model.")
+    if foreign:  # the package was compiled under another graph's name: its inputs would not match
+        raise ArtifactError(
+            f"compiled graph {path} holds {foreign[0]!r}, not a {path.stem} graph (files swapped or renamed); "
+            "re-export the model."
+        )

@@ -37,6 +37,9 @@ class NeuronBackend(Backend):
         )
         return BackendUnavailableError(_MESSAGE.format(what=what))
 
+    def placement(self, device: str) -> str | torch.device:
+        raise self._unavailable()
+
     def compile(self, module: nn.Module, args: tuple, path: Path) -> None:
         raise self._unavailable()
 

@@ -76,9 +76,7 @@ class Artifact:
                 )
         config = load_config_file((root / CONFIG_FILE).read_text())
         manifest = _read_json(root / GRAPHS_DIR / MANIFEST_FILE)
-        expected = [k.value for k in graph_kinds(config)]
-        if sorted(manifest.get("graphs", {})) != sorted(expected):
-            raise ArtifactError(f"{root}: manifest lists graphs {sorted(manifest['graphs'])}, config needs {expected}.")
+        _check_manifest(root, manifest, [k.value for k in graph_kinds(config)])
         return cls(root, config, manifest)
 
     def hf_config(self) -> Any:
@@ -114,6 +112,27 @@ class Artifact:
                 "differ); re-export the model."
             )
         return {name: tensor.to(device) for name, tensor in weights.items()}
+
+
+def _check_manifest(root: Path, manifest: Any, expected: list[str]) -> None:
+    """`ArtifactError` unless ``manifest`` has a file and hash for exactly the ``expected`` graphs."""
+    if not _well_formed(manifest):
+        raise ArtifactError(f"{root}/{GRAPHS_DIR}/{MANIFEST_FILE} is malformed; re-export the model.")
+    graphs = sorted(manifest["graphs"])
+    if graphs != sorted(expected):
+        raise ArtifactError(
+            f"{root}: manifest lists graphs {graphs}, the config needs {sorted(expected)}; re-export the model."
+        )
+
+
+def _well_formed(manifest: Any) -> bool:
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("weights"), dict):
+        return False
+    graphs = manifest.get("graphs")
+    return isinstance(graphs, dict) and all(
+        isinstance(e, dict) and isinstance(e.get("file"), str) and isinstance(e.get("sha256"), str)
+        for e in graphs.values()
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:

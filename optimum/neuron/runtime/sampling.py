@@ -7,6 +7,7 @@ function the token-generation graph runs, with uniforms from per-request seeded 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,8 +28,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}.")
+        if not 0 <= self.temperature < math.inf:  # also refuses NaN
+            raise InputError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}.")
 

@@ -23,11 +23,12 @@ def sample_tokens(
     """Sample one token per row of ``logits [B, V]``.
 
     ``top_k [B]`` in ``1..max_topk`` (1 = greedy), ``temperature [B] > 0``, ``top_p [B]`` in
-    ``(0, 1]``, ``uniforms [B]`` in ``[0, 1)``. Candidates are the ``max_topk`` largest logits;
-    the kept ones are renormalized and the token is picked by inverse CDF at the uniform.
+    ``(0, 1]``, ``uniforms [B]`` in ``[0, 1)``. Candidates are the ``max_topk`` largest logits, equal
+    ones by increasing token id (so greedy is ``argmax``, ties included); the kept ones are
+    renormalized and the token is picked by inverse CDF at the uniform.
     """
-    k = min(max_topk, logits.shape[-1])
-    values, indices = torch.topk(logits.to(torch.float32), k, dim=-1)
+    values, indices = _candidates(logits, min(max_topk, logits.shape[-1]))
+    k = values.shape[-1]
     rank = torch.arange(k, device=logits.device)[None, :]
     scaled = values / temperature.to(torch.float32)[:, None]
     scaled = torch.where(rank < top_k[:, None], scaled, torch.full_like(scaled, _NEG))
@@ -38,3 +39,14 @@ def sample_tokens(
     threshold = uniforms.to(torch.float32)[:, None] * cdf[:, -1:]
     choice = (cdf <= threshold).sum(dim=-1).clamp(max=k - 1)
     return indices.gather(1, choice[:, None]).squeeze(1)
+
+
+def _candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest logits of each row (fp32) and their token ids, best first, equal logits in
+    increasing token id order. That is how ``argmax`` (and transformers' greedy search) breaks ties;
+    ``topk``'s own order among equal values is unspecified and differs between kernels, and ties are
+    common in bf16 logits."""
+    values, indices = torch.topk(logits.to(torch.float32), k, dim=-1)
+    indices, by_id = torch.sort(indices, dim=-1)
+    values, by_value = torch.sort(values.gather(-1, by_id), dim=-1, descending=True, stable=True)
+    return values, indices.gather(-1, by_value)

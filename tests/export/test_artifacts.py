@@ -1,0 +1,264 @@
+"""Broken artifacts fail at load with `ArtifactError` and a fix; oversized requests with typed errors.
+
+Every test corrupts its own copy of a fixture artifact in ``tmp_path``; the shared cache is never
+touched. Corrupt AOTInductor packages are loaded in a fresh interpreter (`subprocess_test`), so a
+crash of the native loader fails the test instead of killing pytest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from optimum.neuron import NeuronModelForCausalLM
+from optimum.neuron.errors import ArtifactError, InputError
+from optimum.neuron.runtime.artifacts import sha256_of
+from tests.fixtures.llm.models import export_fixture
+from tests.utils import subprocess_test
+
+EAGER = "llama-2x4x8-eager"
+INDUCTOR = "llama-2x4x8-inductor"
+CP_GRAPH, TG_GRAPH = "graphs/chunked_prefill", "graphs/token_generation"
+
+
+def artifact_copy(name: str, tmp_path: Path) -> Path:
+    """A private copy (real files, no links) of fixture ``name`` that a test may corrupt."""
+    target = tmp_path / name
+    shutil.copytree(export_fixture(name), target)
+    return target
+
+
+def load(path: Path) -> NeuronModelForCausalLM:
+    """Load an artifact and run one short generation (a loaded graph must also be callable)."""
+    model = NeuronModelForCausalLM.from_pretrained(path)
+    model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, eos_token_id=[])
+    return model
+
+
+def edit_json(path: Path, change: Callable[[dict], object]) -> None:
+    """Apply ``change`` to the JSON object stored at ``path``."""
+    body = json.loads(path.read_text())
+    change(body)
+    path.write_text(json.dumps(body))
+
+
+def rehash_manifest(root: Path) -> None:
+    """Record the current graph files' hashes, so that only the backend's own checks can object."""
+    edit_json(
+        root / "graphs/manifest.json",
+        lambda m: [e.update(sha256=sha256_of(root / e["file"])) for e in m["graphs"].values()],
+    )
+
+
+def expect_artifact_error(path: Path, *fragments: str) -> None:
+    """Loading ``path`` raises `ArtifactError` whose message holds ``fragments`` and a fix."""
+    with pytest.raises(ArtifactError) as info:
+        load(path)
+    message = str(info.value)
+    assert "re-export" in message or "export one" in message.lower(), message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_intact_copy_loads(tmp_path: Path) -> None:
+    model = load(artifact_copy(EAGER, tmp_path))
+    assert model.neuron_config.prefill_chunk_size == 8
+
+
+def test_not_an_artifact(tmp_path: Path) -> None:
+    expect_artifact_error(tmp_path, "neuron_config.json is missing")
+
+
+@pytest.mark.parametrize(
+    "name", ["neuron_config.json", "config.json", "model.safetensors", "graphs/manifest.json", f"{CP_GRAPH}.json"]
+)
+def test_missing_file(tmp_path: Path, name: str) -> None:
+    root = artifact_copy(EAGER, tmp_path)
+    (root / name).unlink()
+    expect_artifact_error(root, name.rsplit("/", 1)[-1])
+
+
+@pytest.mark.parametrize("graph", [CP_GRAPH, TG_GRAPH])
+@pytest.mark.parametrize("damage", ["garbage", "truncate", "append"])
+def test_corrupt_eager_graph_file(tmp_path: Path, graph: str, damage: str) -> None:
+    root = artifact_copy(EAGER, tmp_path)
+    path = root / f"{graph}.json"
+    data = path.read_bytes()
+    path.write_bytes({"garbage": b"\x00\xff" * 50, "truncate": data[: len(data) // 2], "append": data + b" "}[damage])
+    expect_artifact_error(root, "does not match its recorded hash")
+
+
+def test_eager_graph_of_another_backend(tmp_path: Path) -> None:
+    root = artifact_copy(EAGER, tmp_path)
+    (root / f"{TG_GRAPH}.json").write_text(json.dumps({"backend": "inductor"}))
+    rehash_manifest(root)
+    expect_artifact_error(root, "not an eager graph")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncate", "empty"])
+def test_unreadable_weights(tmp_path: Path, damage: str) -> None:
+    root = artifact_copy(EAGER, tmp_path)
+    path = root / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes({"garbage": b"\x13" * 4096, "truncate": data[: len(data) - 100], "empty": b""}[damage])
+    expect_artifact_error(root, "cannot read weights")
+
+
+@pytest.mark.parametrize("tamper", ["reshape", "rename", "drop", "dtype", "extra"])
+def test_weights_that_do_not_fit_the_graphs(tmp_path: Path, tamper: str) -> None:
+    root = artifact_copy(EAGER, tmp_path)
+    path = root / "model.safetensors"
+    weights = load_file(str(path))
+    name = "model.layers.0.mlp.down_proj.weight"
+    if tamper == "reshape":
+        weights[name] = weights[name][:, :-1].contiguous()
+    elif tamper == "rename":
+        weights["model.layers.0.mlp.down.weight"] = weights.pop(name)
+    elif tamper == "drop":
+        del weights[name]
+    elif tamper == "dtype":
+        weights[name] = weights[name].to(torch.bfloat16)
+    else:
+        weights["model.extra"] = torch.zeros(3)
+    save_file(weights, str(path))
+    expect_artifact_error(root, "does not match the weights the graphs were compiled with")
+
+
+def test_config_from_another_version(tmp_path: Path) -> None:
+    root = artifact_copy(EAGER, tmp_path)
+    edit_json(root / "neuron_config.json", lambda c: c["versions"].update({"optimum-neuronx": "0.0.1"}))
+    expect_artifact_error(root, "exported with", "0.0.1")
+
+
+def test_config_from_another_torch(tmp_path: Path) -> None:
+    root = artifact_copy(EAGER, tmp_path)
+    edit_json(root / "neuron_config.json", lambda c: c["versions"].update({"torch": "2.0.0"}))
+    expect_artifact_error(root, "exported with", "2.0.0")
+
+
+@pytest.mark.parametrize(("field", "value"), [("batch_size", 4), ("prefill_chunk_size", 16), ("hash", "0" * 16)])
+def test_config_edited_after_export(tmp_path: Path, field: str, value: object) -> None:
+    root = artifact_copy(EAGER, tmp_path)
+    edit_json(root / "neuron_config.json", lambda c: c.update({field: value}))
+    expect_artifact_error(root, "hash mismatch")
+
+
+@pytest.mark.parametrize("text", ["{broken", "[]", "{}", '{"graphs": []}', '{"graphs": {"x": 1}}'])
+def test_malformed_manifest(tmp_path: Path, text: str) -> None:
+    root = artifact_copy(EAGER, tmp_path)
+    (root / "graphs/manifest.json").write_text(text)
+    expect_artifact_error(root, "manifest")
+
+
+def test_manifest_entry_without_hash(tmp_path: Path) -> None:
+    root = artifact_copy(EAGER, tmp_path)
+    edit_json(root / "graphs/manifest.json", lambda m: m["graphs"]["token_generation"].pop("sha256"))
+    expect_artifact_error(root, "manifest")
+
+
+def rewrite_member(path: Path, suffix: str, data: bytes) -> None:
+    """Rewrite the zip at ``path`` with the member ending in ``suffix`` replaced (valid CRCs)."""
+    with zipfile.ZipFile(path) as archive:
+        members = [(info, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w") as archive:
+        for info, content in members:
+            archive.writestr(info, data if info.filename.endswith(suffix) else content)
+
+
+def damage_package(root: Path, damage: str) -> None:
+    """Damage the token-generation package of the inductor artifact at ``root``."""
+    tg, cp = root / f"{TG_GRAPH}.pt2", root / f"{CP_GRAPH}.pt2"
+    data = tg.read_bytes()
+    if damage == "swap":
+        tg.write_bytes(cp.read_bytes())
+        cp.write_bytes(data)
+    elif damage == "flip":
+        middle = len(data) // 2
+        tg.write_bytes(data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 64]) + data[middle + 64 :])
+    elif damage == "bad_so":
+        rewrite_member(tg, ".so", b"\x7fELF not really" * 64)
+    else:
+        tg.write_bytes({"garbage": b"PK\x03\x04" + b"\x00" * 4096, "truncate": data[: len(data) // 3]}[damage])
+
+
+@pytest.mark.slow
+@subprocess_test
+@pytest.mark.parametrize(
+    ("damage", "rehash", "fragment"),
+    [
+        ("truncate", False, "does not match its recorded hash"),
+        ("garbage", False, "does not match its recorded hash"),
+        ("truncate", True, "not a valid package"),
+        ("garbage", True, "not a valid package"),
+        ("flip", True, "is corrupt"),
+        ("bad_so", True, "cannot load compiled graph"),
+        ("swap", True, "files swapped or renamed"),
+    ],
+)
+def test_corrupt_inductor_package(tmp_path: Path, damage: str, rehash: bool, fragment: str) -> None:
+    root = artifact_copy(INDUCTOR, tmp_path)
+    damage_package(root, damage)
+    if rehash:
+        rehash_manifest(root)
+    expect_artifact_error(root, fragment)
+
+
+@pytest.mark.slow
+@subprocess_test
+def test_inductor_weights_do_not_fit(tmp_path: Path) -> None:
+    root = artifact_copy(INDUCTOR, tmp_path)
+    path = root / "model.safetensors"
+    weights = load_file(str(path))
+    weights["model.norm.weight"] = torch.ones(7)
+    save_file(weights, str(path))
+    expect_artifact_error(root, "does not match the weights")
+
+
+@pytest.fixture(scope="module")
+def eager_model() -> NeuronModelForCausalLM:
+    """The eager fixture (batch 2, S 32, C 8), loaded once for the request checks."""
+    return NeuronModelForCausalLM.from_pretrained(export_fixture(EAGER))
+
+
+def test_prompt_longer_than_compiled_length(eager_model: NeuronModelForCausalLM) -> None:
+    with pytest.raises(InputError, match="--sequence_length") as info:
+        eager_model.generate(torch.randint(3, 256, (1, 33)), max_new_tokens=2)
+    assert "33 tokens" in str(info.value)
+    assert eager_model.engine.slots.free_count == 2
+
+
+def test_batch_larger_than_compiled_batch(eager_model: NeuronModelForCausalLM) -> None:
+    with pytest.raises(InputError, match="--batch_size") as info:
+        eager_model.generate(torch.randint(3, 256, (3, 4)), max_new_tokens=2)
+    assert "3 prompts" in str(info.value)
+    assert eager_model.engine.slots.free_count == 2
+
+
+def test_empty_prompt_row(eager_model: NeuronModelForCausalLM) -> None:
+    ids = torch.randint(3, 256, (2, 4))
+    mask = torch.ones_like(ids)
+    mask[1] = 0
+    with pytest.raises(InputError, match="0 tokens"):
+        eager_model.generate(ids, attention_mask=mask, max_new_tokens=2)
+
+
+def test_full_length_prompt_gets_one_token_then_stops(eager_model: NeuronModelForCausalLM) -> None:
+    ids = torch.randint(3, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    out = eager_model.generate(ids, max_new_tokens=5, eos_token_id=[])
+    assert out.shape == (1, 33)
+    assert eager_model.engine.slots.free_count == 2
+
+
+def test_models_still_usable_after_errors(eager_model: NeuronModelForCausalLM) -> None:
+    for bad in (torch.randint(3, 256, (3, 4)), torch.randint(3, 256, (1, 40))):
+        with pytest.raises(InputError):
+            eager_model.generate(bad, max_new_tokens=2)
+    out = eager_model.generate(torch.randint(3, 256, (2, 5)), max_new_tokens=3, eos_token_id=[])
+    assert out.shape == (2, 8)

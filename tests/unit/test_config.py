@@ -1,0 +1,155 @@
+"""`NeuronConfig`: validation with typed errors that name the fix, frozen, JSON with versions and hash."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from optimum.neuron.config import NeuronConfig, load_config_file, runtime_versions
+from optimum.neuron.errors import ArtifactError, IncompatibleConfigError
+
+GRAPHS = ["chunked_prefill", "token_generation"]
+
+INVALID = [
+    ({"sequence_length": 32, "prefill_chunk_size": 33}, "--prefill_chunk_size"),
+    ({"prefill_chunk_size": -1}, "--prefill_chunk_size"),
+    ({"prefill_chunk_size": 2.5}, "--prefill_chunk_size"),
+    ({"prefill_chunk_size": True}, "--prefill_chunk_size"),
+    ({"tp_degree": 2}, "--tensor_parallel_size 1"),
+    ({"tp_degree": 0}, "--tensor_parallel_size 1"),
+    ({"batch_size": 0}, "--batch_size"),
+    ({"batch_size": -3}, "--batch_size"),
+    ({"batch_size": True}, "--batch_size"),
+    ({"sequence_length": 0}, "--sequence_length"),
+    ({"sequence_length": "32"}, "--sequence_length"),
+    ({"max_topk": 0}, "--max_topk"),
+    ({"max_topk": -5}, "--max_topk"),
+    ({"auto_cast_type": "fp64"}, "--auto_cast_type"),
+    ({"auto_cast_type": "float32"}, "--auto_cast_type"),
+    ({"backend": "tpu"}, "--backend inductor"),
+    ({"device": "tpu"}, "--device cpu"),
+    ({"backend": "neuron", "device": "cpu"}, "--device neuron"),
+    ({"backend": "inductor", "device": "neuron"}, "--backend neuron"),
+    ({"on_device_sampling": "yes"}, "on_device_sampling must be a bool"),
+]
+
+
+def chunked(**changes: object) -> NeuronConfig:
+    """A valid chunked-prefill config (batch 2, S 32, C 8) with ``changes`` applied."""
+    fields = {"batch_size": 2, "sequence_length": 32, "prefill_chunk_size": 8, "backend": "eager", **changes}
+    return NeuronConfig(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("changes", "fix"), INVALID, ids=[repr(c) for c, _ in INVALID])
+def test_invalid_field_raises_typed_error_naming_the_fix(changes: dict, fix: str) -> None:
+    with pytest.raises(IncompatibleConfigError) as info:
+        NeuronConfig(**changes)
+    assert fix in str(info.value)
+
+
+def test_typed_error_is_also_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        NeuronConfig(batch_size=0)
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 8, 32])
+def test_chunk_bounds_are_inclusive(chunk: int) -> None:
+    assert chunked(prefill_chunk_size=chunk).prefill_chunk_size == chunk
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]
+)
+def test_torch_dtype(name: str, dtype: torch.dtype) -> None:
+    assert chunked(auto_cast_type=name).torch_dtype is dtype
+
+
+def test_frozen() -> None:
+    config = chunked()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.batch_size = 4  # type: ignore[misc]
+
+
+def test_derive_validates_and_leaves_original() -> None:
+    config = chunked()
+    assert config.derive(prefill_chunk_size=16).prefill_chunk_size == 16
+    assert config.prefill_chunk_size == 8
+    with pytest.raises(IncompatibleConfigError, match="--prefill_chunk_size"):
+        config.derive(prefill_chunk_size=64)
+
+
+def test_json_round_trip_with_versions_graphs_and_hash() -> None:
+    config = chunked(auto_cast_type="bf16", max_topk=16, on_device_sampling=False)
+    text = config.to_json(GRAPHS)
+    body = json.loads(text)
+    assert body["versions"] == runtime_versions()
+    assert body["graphs"] == GRAPHS
+    assert isinstance(body["hash"], str) and len(body["hash"]) == 16
+    loaded = load_config_file(text)
+    assert loaded == config
+    assert loaded.compile_fields() == config.compile_fields()
+    assert loaded.extra == {"graphs": GRAPHS, "versions": runtime_versions()}
+
+
+def test_hash_depends_on_fields() -> None:
+    first = json.loads(chunked().to_json(GRAPHS))["hash"]
+    assert json.loads(chunked(batch_size=3).to_json(GRAPHS))["hash"] != first
+    assert json.loads(chunked().to_json(GRAPHS))["hash"] == first
+
+
+def tampered(**edits: object) -> str:
+    """The JSON of a valid config with ``edits`` applied to its body (hash left as it was)."""
+    body = json.loads(chunked().to_json(GRAPHS))
+    body.update(edits)
+    return json.dumps(body)
+
+
+@pytest.mark.parametrize("edits", [{"batch_size": 4}, {"prefill_chunk_size": 16}, {"hash": "0" * 16}])
+def test_tampered_fields_rejected(edits: dict) -> None:
+    with pytest.raises(ArtifactError, match="hash mismatch"):
+        load_config_file(tampered(**edits))
+
+
+def test_other_versions_rejected_with_reexport_fix() -> None:
+    other = {**runtime_versions(), "optimum-neuronx": "0.0.0-other"}
+    with pytest.raises(ArtifactError, match="re-export") as info:
+        load_config_file(tampered(versions=other))
+    assert "0.0.0-other" in str(info.value)
+
+
+def test_other_torch_version_rejected() -> None:
+    with pytest.raises(ArtifactError, match="re-export"):
+        load_config_file(tampered(versions={**runtime_versions(), "torch": "1.0.0"}))
+
+
+def test_missing_versions_rejected() -> None:
+    body = json.loads(chunked().to_json(GRAPHS))
+    del body["versions"]
+    with pytest.raises(ArtifactError, match="re-export"):
+        load_config_file(json.dumps(body))
+
+
+@pytest.mark.parametrize("text", ["{not json", "", "[1, 2]", '"a string"', "null"])
+def test_malformed_json_rejected(text: str) -> None:
+    with pytest.raises(ArtifactError, match="re-export"):
+        load_config_file(text)
+
+
+def test_cache_key_depends_on_compile_fields_and_model_only() -> None:
+    config = chunked()
+    key = config.cache_key("model-a")
+    assert key == chunked().cache_key("model-a")
+    assert key != config.cache_key("model-b")
+    assert key != chunked(batch_size=3).cache_key("model-a")
+    assert key == dataclasses.replace(config, extra={"note": "ignored"}).cache_key("model-a")
+
+
+def test_other_version_with_other_fields_reported_as_version_mismatch() -> None:
+    body = json.loads(chunked().to_json(GRAPHS))
+    body.update(new_field=1, versions={**runtime_versions(), "optimum-neuronx": "9.9.9"})
+    with pytest.raises(ArtifactError, match="exported with") as info:
+        load_config_file(json.dumps(body))
+    assert "hash" not in str(info.value)

@@ -1,0 +1,97 @@
+"""Attention masks (invariants 4 and 7): actual-tokens mask, chunk mask, decode mask, finite softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from optimum.neuron.models.layers.masks import actual_tokens_mask, chunk_mask, decode_mask
+from optimum.neuron.runtime.padding import pad_chunk
+
+S, C = 16, 8
+
+
+def test_actual_tokens_from_position_ids() -> None:
+    positions = torch.tensor([[4, 5, 6, 6, 6], [0, 1, 2, 3, 4], [9, 9, 9, 9, 9]])
+    expected = [[True, True, True, False, False], [True] * 5, [True, False, False, False, False]]
+    assert actual_tokens_mask(positions).tolist() == expected
+
+
+def test_first_token_always_real() -> None:
+    assert actual_tokens_mask(torch.tensor([[0]])).tolist() == [[True]]
+    assert actual_tokens_mask(torch.tensor([[7, 3]])).tolist() == [[True, False]]
+
+
+def reference_chunk_mask(positions: list[int], cache_len: int) -> torch.Tensor:
+    """The rule written out key by key: prior cache positions OR (causal AND real chunk key)."""
+    real = [j == 0 or positions[j] > positions[j - 1] for j in range(len(positions))]
+    rows = []
+    for i in range(len(positions)):
+        prior = [key < positions[0] for key in range(cache_len)]
+        inside = [j <= i and real[j] for j in range(len(positions))]
+        rows.append(prior + inside)
+    return torch.tensor(rows)[None, None]
+
+
+@pytest.mark.parametrize(("count", "start"), [(1, 0), (3, 0), (3, 5), (C, 8), (C - 1, 9)])
+def test_chunk_mask_matches_rule(count: int, start: int) -> None:
+    _, positions = pad_chunk(list(range(count)), start, C)
+    mask = chunk_mask(positions, S, reads_prior=True)
+    assert mask.shape == (1, 1, C, S + C) and mask.dtype == torch.bool
+    assert torch.equal(mask, reference_chunk_mask(positions[0].tolist(), S))
+
+
+@pytest.mark.parametrize("count", [1, 3, C - 1])
+def test_padded_queries_see_exactly_the_last_real_tokens_keys(count: int) -> None:
+    _, positions = pad_chunk(list(range(count)), 4, C)
+    mask = chunk_mask(positions, S, reads_prior=True)[0, 0]
+    for row in range(count, C):
+        assert torch.equal(mask[row], mask[count - 1])
+    assert not mask[:, S + count :].any(), "a padded key was visible"
+
+
+def test_chunk_mask_without_prior_cache() -> None:
+    _, positions = pad_chunk([1, 2, 3], 0, C)
+    mask = chunk_mask(positions, S, reads_prior=False)
+    assert mask.shape == (1, 1, C, C)
+    assert torch.equal(mask, reference_chunk_mask(positions[0].tolist(), 0))
+
+
+def test_decode_mask_reads_up_to_own_position() -> None:
+    mask = decode_mask(torch.tensor([[0], [3], [S - 1]]), S)
+    assert mask.shape == (3, 1, 1, S)
+    assert mask[0, 0, 0].tolist() == [True] + [False] * (S - 1)
+    assert mask[1, 0, 0].tolist() == [True] * 4 + [False] * (S - 4)
+    assert mask[2, 0, 0].all()
+
+
+def attention_weights(scores_scale: float, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Attention weights as SDPA computes them with ``mask``: values are the identity, so the
+    output rows are the weights. Large ``scores_scale`` makes the logits huge."""
+    queries, keys = mask.shape[-2:]
+    generator = torch.Generator().manual_seed(0)
+    q = (torch.randn(1, 1, queries, 8, generator=generator) * scores_scale).to(dtype)
+    k = (torch.randn(1, 1, keys, 8, generator=generator) * scores_scale).to(dtype)
+    v = torch.eye(keys, dtype=dtype)[None, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1.0, 100.0])
+def test_masked_softmax_is_finite_with_zero_weight_on_masked_keys(dtype: torch.dtype, scale: float) -> None:
+    _, positions = pad_chunk([5, 6, 7], 2, C)
+    mask = chunk_mask(positions, S, reads_prior=True)
+    weights = attention_weights(scale, mask, dtype)
+    assert torch.isfinite(weights).all()
+    assert (weights[~mask.expand_as(weights)] == 0).all()
+    assert torch.allclose(weights.sum(-1), torch.ones(C), atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_softmax_is_finite_at_position_zero(dtype: torch.dtype) -> None:
+    mask = decode_mask(torch.tensor([[0]]), S)[0:1]
+    weights = attention_weights(100.0, mask, dtype)
+    assert torch.isfinite(weights).all()
+    assert weights[0, 0, 0, 0].item() == pytest.approx(1.0, abs=1e-2)
+    assert (weights[0, 0, 0, 1:] == 0).all()
