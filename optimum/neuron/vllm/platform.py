@@ -1,0 +1,153 @@
+"""The vLLM platform: makes vLLM serve an optimum-neuronx artifact with our worker.
+
+``check_and_update_config`` reads the artifact's ``neuron_config.json`` and sets what vLLM may
+schedule: ``max_num_seqs`` = the KV slots (batch size), ``max_model_len`` = the compiled sequence
+length, and a token budget of one chunk (chunked artifacts, vLLM then feeds prompts chunk by chunk
+between decodes) or of a whole prompt (context-encoding artifacts). Asking for more than the
+artifact holds is an error naming the export flag to change.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from ..config import CONFIG_FILE, NeuronConfig, load_config_file
+from ..errors import IncompatibleConfigError, InputError
+from . import compat
+from .sampling import check_request
+
+logger = compat.logger(__name__)
+
+_Platform, _PlatformEnum = compat.platform_base()
+
+
+def artifact_config(model: str) -> NeuronConfig:
+    """The `NeuronConfig` of the artifact folder ``model``; a clear error when it is not one."""
+    path = Path(model) / CONFIG_FILE
+    if not path.is_file():
+        raise IncompatibleConfigError(
+            f"{model!r} is not an optimum-neuronx artifact ({CONFIG_FILE} missing): export it first with "
+            "`optimum-cli export neuron --model <hf folder> ... <output dir>` and serve the output dir."
+        )
+    return load_config_file(path.read_text())
+
+
+def resolve_limits(vllm_config: Any, neuron: NeuronConfig) -> None:
+    """Set ``max_num_seqs`` / ``max_model_len`` / the token budget from the artifact, refusing more."""
+    model, sched = vllm_config.model_config, vllm_config.scheduler_config
+    asked_len = model.original_max_model_len
+    if asked_len is not None and asked_len > neuron.sequence_length:
+        raise IncompatibleConfigError(
+            f"max_model_len={asked_len} exceeds the artifact's sequence_length={neuron.sequence_length}: "
+            "lower --max-model-len or re-export with a larger --sequence_length."
+        )
+    model.max_model_len = asked_len or neuron.sequence_length
+    if sched.max_num_seqs > neuron.batch_size:
+        if sched.max_num_seqs not in compat.vllm_default_max_num_seqs():
+            raise IncompatibleConfigError(
+                f"max_num_seqs={sched.max_num_seqs} exceeds the artifact's batch_size={neuron.batch_size} "
+                "(its KV slots): lower --max-num-seqs or re-export with a larger --batch_size."
+            )
+        sched.max_num_seqs = neuron.batch_size
+    if neuron.prefill_chunk_size:
+        sched.enable_chunked_prefill = True
+        sched.max_num_batched_tokens = max(neuron.prefill_chunk_size, sched.max_num_seqs)
+    else:
+        sched.enable_chunked_prefill = False
+        sched.max_num_batched_tokens = model.max_model_len + sched.max_num_seqs
+    sched.long_prefill_token_threshold = 0
+    sched.verify_max_model_len(model.max_model_len)
+
+
+class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
+    """Out-of-tree vLLM platform for optimum-neuronx artifacts (CPU / CUDA through their backend)."""
+
+    _enum = _PlatformEnum.OOT
+    device_name = "optimum-neuronx"
+    device_type = "cpu"
+    dispatch_key = "CPU"
+    dist_backend = "gloo"
+    _max_topk: int | None = None
+
+    @classmethod
+    def is_cpu(cls) -> bool:  # vLLM skips accelerator calls (e.g. at shutdown) for CPU platforms
+        return True
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        """A human-readable device name."""
+        return "optimum-neuronx"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        """Host memory (the artifact's engine owns its own cache)."""
+        return int(psutil.virtual_memory().total)
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        """Nothing to select."""
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        """Seed torch (our samplers are seeded per request anyway)."""
+        torch.manual_seed(seed)
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        """No pinned host buffers."""
+        return False
+
+    @classmethod
+    def inference_mode(cls) -> Any:
+        """``torch.no_grad`` (inference tensors cannot be passed to AOTInductor runners as mutable inputs)."""
+        return torch.no_grad()
+
+    @classmethod
+    def update_block_size_for_backend(cls, vllm_config: Any) -> None:
+        """Keep the block size chosen in `check_and_update_config` (there is no attention backend)."""
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        """Fit vLLM's configuration to the artifact being served (see the module docstring)."""
+        if vllm_config.model_config is None:
+            return
+        neuron = artifact_config(vllm_config.model_config.model)
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise IncompatibleConfigError(
+                "optimum-neuronx serves with tensor_parallel_size=1 only: drop --tensor-parallel-size."
+            )
+        vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
+        # Start the engine core by spawn, as vLLM's CPU platform does: a process forked after torch ran
+        # intra-op (OpenMP) work hangs in its first parallel op (seen: allocating the KV cache).
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        vllm_config.cache_config.enable_prefix_caching = False
+        vllm_config.scheduler_config.async_scheduling = False
+        compat.disable_graph_capture(vllm_config)
+        resolve_limits(vllm_config, neuron)
+        vllm_config.cache_config.block_size = vllm_config.model_config.max_model_len
+        cls._max_topk = neuron.max_topk
+        logger.info(
+            "optimum-neuronx: %s (batch_size=%d, sequence_length=%d, prefill_chunk_size=%d) -> max_num_seqs=%d, "
+            "max_model_len=%d, max_num_batched_tokens=%d, chunked_prefill=%s",
+            vllm_config.model_config.model,
+            neuron.batch_size,
+            neuron.sequence_length,
+            neuron.prefill_chunk_size,
+            vllm_config.scheduler_config.max_num_seqs,
+            vllm_config.model_config.max_model_len,
+            vllm_config.scheduler_config.max_num_batched_tokens,
+            vllm_config.scheduler_config.enable_chunked_prefill,
+        )
+
+    @classmethod
+    def validate_request(cls, processed_inputs: Any, params: Any) -> None:
+        """Refuse, per request, sampling parameters the graphs do not implement."""
+        try:
+            check_request(params, cls._max_topk if cls._max_topk is not None else 2**31)
+        except InputError as err:  # vLLM answers its own validation error with HTTP 400, anything else 500
+            raise compat.request_error(str(err)) from err

@@ -1,0 +1,127 @@
+"""The vLLM worker: loads the artifact into an `Engine` and hands each scheduler step to the `Runner`.
+
+It reports a placeholder KV spec (see `compat.placeholder_kv_spec`) sized to exactly
+``batch_size`` sequences of ``sequence_length`` tokens, so vLLM chunks prompts itself and never
+admits more requests than the artifact has KV slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from ..modeling import NeuronModelForCausalLM
+from ..runtime.artifacts import Artifact
+from ..runtime.engine import Engine
+from . import compat
+from .runner import Runner
+
+logger = compat.logger(__name__)
+
+
+class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
+    """One worker process serving one artifact."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.runner: Runner | None = None
+
+    # --- lifetime ---------------------------------------------------------------------------
+
+    def init_device(self) -> None:
+        """Nothing to initialise: the engine places its tensors when the model loads."""
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        """Open the artifact (``--model``), load weights, graphs and the KV cache once."""
+        artifact = Artifact.open(self.model_config.model)
+        engine = Engine(artifact)
+        self.runner = Runner(engine)
+        c = artifact.config
+        logger.info(
+            "optimum-neuronx serving %s: backend=%s device=%s graphs=%s batch_size=%d sequence_length=%d "
+            "prefill_chunk_size=%d on_device_sampling=%s",
+            artifact.root,
+            c.backend,
+            c.device,
+            [k.value for k in engine.graphs],
+            c.batch_size,
+            c.sequence_length,
+            c.prefill_chunk_size,
+            c.on_device_sampling,
+        )
+
+    def shutdown(self) -> None:
+        """Drop the engine (weights, graphs, cache)."""
+        self.runner = None
+
+    # --- KV cache negotiation ---------------------------------------------------------------
+
+    def get_kv_cache_spec(self) -> dict[str, Any]:
+        """The placeholder spec; its block is a whole sequence (block_size = max_model_len)."""
+        return compat.placeholder_kv_spec(self.cache_config.block_size)
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        """Any layout: vLLM's cache is never read (the base implementation raises on our platform)."""
+        return ["NHD"]
+
+    def determine_available_memory(self) -> int:
+        """Room for exactly ``max_num_seqs`` sequences of blocks, plus vLLM's null block."""
+        block = self.cache_config.block_size
+        blocks_per_seq = math.ceil(self.model_config.max_model_len / block)
+        blocks = self.scheduler_config.max_num_seqs * blocks_per_seq + 1
+        return blocks * compat.placeholder_page_bytes(block)
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        """No vLLM-side cache to allocate."""
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        """vLLM may lower the length after profiling; the artifact's limit is already applied."""
+        self.model_config.max_model_len = max_model_len
+
+    def compile_or_warm_up_model(self) -> Any:
+        """Graphs were compiled at export: nothing to do."""
+        return compat.compilation_times()
+
+    def get_cache_block_size_bytes(self) -> int:
+        """Bytes of one placeholder block."""
+        return compat.placeholder_page_bytes(self.cache_config.block_size)
+
+    # --- serving ----------------------------------------------------------------------------
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """Text generation only."""
+        return ("generate",)
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        """One scheduler step -> ``ModelRunnerOutput``."""
+        assert self.runner is not None, "load_model() runs before the first step"
+        req_ids, sampled = self.runner.execute(compat.read_step(scheduler_output))
+        return compat.runner_output(req_ids, sampled)
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        """Never reached: `execute_model` always returns the sampled tokens."""
+        raise NotImplementedError("optimum-neuronx samples inside execute_model; structured output is unsupported")
+
+    def take_draft_token_ids(self) -> None:
+        """No speculative decoding."""
+        return None
+
+    def check_health(self) -> None:
+        """Healthy while loaded."""
+
+    # --- introspection for tests and logs (reachable through ``LLM.collective_rpc``) --------
+
+    def step_records(self) -> list[dict[str, Any]]:
+        """The steps run so far as plain data (``index``, ``decodes``: request ids, ``prefills``:
+        ``[req_id, start, count]``), so they cross vLLM's process boundary unchanged."""
+        return [dataclasses.asdict(r) for r in self.runner.records] if self.runner else []
+
+    def slot_usage(self) -> dict[int, Any]:
+        """Held KV slots and their request ids."""
+        return self.runner.engine.slots.used if self.runner else {}
+
+    def get_model(self) -> Any:
+        """The loaded model, as ``NeuronModelForCausalLM``."""
+        assert self.runner is not None
+        return NeuronModelForCausalLM(self.runner.engine)

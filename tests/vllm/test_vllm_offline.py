@@ -1,0 +1,119 @@
+"""`vllm.LLM` on exported artifacts through the optimum-neuronx platform plugin (each test in a fresh
+interpreter: a vLLM engine holds process-global state).
+
+Greedy tokens must equal `NeuronModelForCausalLM.generate` on the same artifact and transformers, for
+chunked and context-encoding artifacts, alone and batched; prompts longer than vLLM's default token
+budgets complete; a long prompt's chunks interleave with the decodes of a running request.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.fixtures.llm.models import cache_dir, export_fixture, tiny_model
+from tests.fixtures.llm.reference import hf_greedy
+from tests.utils import subprocess_test
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+CHUNK = 8
+NEW_TOKENS = 6
+
+
+def prompt(length: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(seed + length)).tolist()
+
+
+def greedy(max_tokens: int = NEW_TOKENS) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def vllm_tokens(llm: Any, prompts: list[list[int]], params: Any) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def our_tokens(artifact: Path, ids: list[int], new: int = NEW_TOKENS) -> list[int]:
+    from optimum.neuron import NeuronModelForCausalLM
+
+    model = NeuronModelForCausalLM.from_pretrained(artifact)
+    return model.generate(torch.tensor([ids]), max_new_tokens=new, eos_token_id=[])[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("name", ["llama-2x4x8-inductor", "llama-2x1x32-ce-inductor"])
+@subprocess_test
+def test_llm_generate_equals_generate_and_transformers(name: str) -> None:
+    from vllm import LLM
+
+    artifact = export_fixture(name)
+    short, long = prompt(3), prompt(2 * CHUNK + 5)
+    llm = LLM(model=str(artifact), seed=0)
+    alone = [vllm_tokens(llm, [p], greedy())[0] for p in (short, long)]
+    together = vllm_tokens(llm, [short, long], greedy())
+    for ids, got, batched in zip((short, long), alone, together, strict=True):
+        assert got == our_tokens(artifact, ids), f"{name}: vLLM != generate() for {len(ids)} tokens"
+        assert got == hf_greedy(tiny_model("llama"), ids, NEW_TOKENS), f"{name}: vLLM != transformers"
+        assert batched == got, f"{name}: batched output differs from the prompt alone"
+
+
+@subprocess_test
+def test_long_prompt_chunks_interleave_with_running_decodes() -> None:
+    from vllm import LLM
+
+    artifact = export_fixture("llama-2x4x8-inductor")
+    short, long = prompt(3, 1), prompt(3 * CHUNK, 2)
+    llm = LLM(model=str(artifact), seed=0)
+    # The short request is admitted first and decodes while the long prompt is fed chunk by chunk.
+    out = vllm_tokens(llm, [short, long], greedy(max_tokens=8))
+    assert out == [our_tokens(artifact, short, 8), our_tokens(artifact, long, 8)]
+    records = llm.collective_rpc("step_records")[0]
+    fed = Counter()
+    for r in records:
+        fed.update({req: count for req, _, count in r["prefills"]})
+    long_id = max(fed, key=lambda req: fed[req])
+    chunk_steps = [r for r in records if any(p[0] == long_id for p in r["prefills"])]
+    assert len(chunk_steps) >= 3, f"the long prompt was not fed in chunks: {records}"
+    for r in chunk_steps[1:]:
+        assert r["decodes"], f"step {r['index']} fed a chunk of the long prompt but decoded nothing: {records}"
+    budget = CHUNK
+    assert all(len(r["decodes"]) + sum(p[2] for p in r["prefills"]) <= budget for r in records), records
+    assert llm.collective_rpc("slot_usage") == [{}], "a finished request kept its KV slot"
+
+
+LONG = 8300
+"""A prompt longer than vLLM's default token budgets (2048 for ``vllm serve``, 8192 for ``LLM``)."""
+
+
+def long_artifact(chunk: int) -> Path:
+    """A tiny llama exported (eager) with room for `LONG` tokens, chunked or context encoding."""
+    from optimum.exporters.neuron.export import export
+    from optimum.neuron import NeuronConfig
+
+    config = NeuronConfig(batch_size=1, sequence_length=8448, prefill_chunk_size=chunk, backend="eager")
+    name = f"llama-1x{8448 // chunk}x{chunk}-eager" if chunk else "llama-1x1x8448-ce-eager"
+    return export(tiny_model("llama"), cache_dir() / "fixtures" / name, config)
+
+
+@pytest.mark.parametrize("chunk", [1024, 0], ids=["chunked", "context-encoding"])
+@subprocess_test
+def test_prompt_longer_than_default_budgets_completes(chunk: int) -> None:
+    from vllm import LLM
+
+    artifact = long_artifact(chunk)
+    ids = prompt(LONG, 3)
+    want = our_tokens(artifact, ids, 4)  # before the engine starts: a large eager prefill after it stalled
+    llm = LLM(model=str(artifact), seed=0)
+    assert vllm_tokens(llm, [ids], greedy(4)) == [want]
+    records = llm.collective_rpc("step_records")[0]
+    fed = [p for r in records for p in r["prefills"]]
+    assert sum(p[2] for p in fed) == LONG
+    if chunk:
+        assert max(p[2] for p in fed) <= chunk, "vLLM scheduled more than one chunk of the prompt at once"
+    else:
+        assert len(fed) == 1, "a context-encoding artifact must get the whole prompt in one step"

@@ -1,0 +1,64 @@
+"""The platform fits vLLM's configuration to the artifact and refuses what it cannot serve, with the
+flag to change (vLLM's real config path: ``EngineArgs.create_engine_config``, no engine started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.llm.models import export_fixture
+from tests.utils import subprocess_test
+
+pytestmark = [pytest.mark.vllm]
+
+
+def engine_config(model: Path, **kwargs: Any) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(model), **kwargs).create_engine_config()
+
+
+@subprocess_test
+def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> None:
+    chunked, ce = export_fixture("llama-2x4x8-eager"), export_fixture("llama-2x1x32-ce-eager")
+    config = engine_config(chunked)
+    sched = config.scheduler_config
+    assert (sched.max_num_seqs, config.model_config.max_model_len) == (2, 32)
+    assert sched.enable_chunked_prefill and sched.max_num_batched_tokens == 8, "token budget = one chunk"
+    assert config.parallel_config.worker_cls == "optimum.neuron.vllm.worker.NeuronxWorker"
+    assert not config.cache_config.enable_prefix_caching
+    config = engine_config(ce)
+    assert not config.scheduler_config.enable_chunked_prefill
+    assert config.scheduler_config.max_num_batched_tokens >= 32, "a context-encoding artifact needs whole prompts"
+    assert engine_config(chunked, max_model_len=16).model_config.max_model_len == 16
+    refusals = [
+        ({"max_num_seqs": 3}, ["max_num_seqs=3", "batch_size=2", "--batch_size"]),
+        ({"max_model_len": 64}, ["max_model_len=64", "sequence_length=32", "--sequence_length"]),
+        ({"tensor_parallel_size": 2}, ["tensor_parallel_size=1"]),
+    ]
+    for kwargs, fragments in refusals:
+        with pytest.raises(Exception) as info:
+            engine_config(chunked, **kwargs)
+        text = "".join(str(e) for e in _chain(info.value))
+        for fragment in fragments:
+            assert fragment in text, (kwargs, text)
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    (folder / "config.json").write_text((chunked / "config.json").read_text())
+    with pytest.raises(Exception) as info:
+        engine_config(folder)
+    text = "".join(str(e) for e in _chain(info.value))
+    assert "not an optimum-neuronx artifact" in text and "optimum-cli export neuron" in text, text
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error`` and the errors it was raised from. vLLM re-raises our `IncompatibleConfigError` as a
+    pydantic ``ValidationError`` that quotes its message (without chaining it), so tests read the text."""
+    out: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in out:
+        out.append(current)
+        current = current.__cause__ or current.__context__
+    return out

@@ -1,0 +1,176 @@
+"""The vLLM model runner driven by hand-built scheduler steps (no vLLM engine), on the eager fixture.
+
+A step is the plain `compat.Step` data the worker reads from vLLM's ``SchedulerOutput``. These tests
+pin what the runner owes vLLM: a request's prompt can arrive in any split of chunks (several CP calls
+in one step when it exceeds C), partial prefills return no token, decodes of running requests run in
+the same step as another request's chunk, and every way a request leaves (finished, aborted,
+preempted) gives its KV slot back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm import SamplingParams as VllmParams
+
+from optimum.neuron.errors import InputError, SlotError
+from optimum.neuron.runtime.artifacts import Artifact
+from optimum.neuron.runtime.engine import Engine
+from optimum.neuron.runtime.generate import generate_tokens
+from optimum.neuron.runtime.sampling import SamplingParams
+from optimum.neuron.vllm.compat import CachedRequest, NewRequest, Step
+from optimum.neuron.vllm.runner import Runner
+from tests.fixtures.llm.models import export_fixture
+
+CHUNK = 8
+GREEDY = VllmParams(temperature=0.0, max_tokens=32)
+
+
+@pytest.fixture
+def runner() -> Runner:
+    return Runner(Engine(Artifact.open(export_fixture("llama-2x4x8-eager"))))
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def expected(runner: Runner, ids: list[int], new: int) -> list[int]:
+    """Greedy tokens of ``generate()`` on the same engine (slots are given back afterwards)."""
+    return generate_tokens(runner.engine, [ids], new, SamplingParams(), set())[0]
+
+
+def step(
+    scheduled: dict[str, int],
+    new: list[NewRequest] | None = None,
+    cached: list[CachedRequest] | None = None,
+    finished: set[str] | None = None,
+    preempted: set[str] | None = None,
+) -> Step:
+    return Step(new or [], cached or [], scheduled, finished or set(), preempted or set())
+
+
+def new_request(req_id: str, ids: list[int], params: VllmParams = GREEDY) -> NewRequest:
+    return NewRequest(req_id, ids, params, 0)
+
+
+def cached(req_id: str, computed: int) -> CachedRequest:
+    return CachedRequest(req_id, computed, False, None)
+
+
+class Driver:
+    """Feeds steps like vLLM's scheduler: it tracks computed tokens per request and collects outputs."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.computed: dict[str, int] = {}
+        self.out: dict[str, list[int]] = {}
+
+    def run(self, scheduled: dict[str, int], new: list[NewRequest] = (), **kw: set[str]) -> dict[str, list[int]]:  # type: ignore[assignment]
+        known = [cached(r, self.computed[r]) for r in scheduled if r in self.computed]
+        ids, sampled = self.runner.execute(step(scheduled, list(new), known, **kw))
+        assert ids == list(scheduled)
+        for r in list(kw.get("finished", ())) + list(kw.get("preempted", ())):
+            self.computed.pop(r, None)
+        for r, count in scheduled.items():
+            self.computed[r] = self.computed.get(r, 0) + count
+            self.out.setdefault(r, []).extend(sampled[r])
+        return sampled
+
+
+def test_prompt_in_uneven_chunks_then_decode(runner: Runner) -> None:
+    ids = prompt(2 * CHUNK + 5, 0)
+    want = expected(runner, ids, 4)
+    d = Driver(runner)
+    assert d.run({"a": 5}, [new_request("a", ids)]) == {"a": []}, "a partial prefill returns no token"
+    assert d.run({"a": 9}) == {"a": []}
+    assert d.run({"a": len(ids) - 14}) == {"a": want[:1]}
+    for _ in range(3):
+        d.run({"a": 1})
+    assert d.out["a"] == want
+
+
+def test_whole_long_prompt_in_one_step_runs_several_chunks(runner: Runner) -> None:
+    ids = prompt(3 * CHUNK + 1, 1)
+    want = expected(runner, ids, 3)
+    d = Driver(runner)
+    d.run({"a": len(ids)}, [new_request("a", ids)])
+    d.run({"a": 1})
+    d.run({"a": 1})
+    assert d.out["a"] == want
+    assert runner.records[0].prefills == [("a", 0, len(ids))]
+
+
+def test_decodes_run_in_the_same_step_as_another_prompt_chunk(runner: Runner) -> None:
+    short, long = prompt(3, 2), prompt(3 * CHUNK + 2, 3)
+    want_short, want_long = expected(runner, short, 7), expected(runner, long, 3)
+    d = Driver(runner)
+    d.run({"s": 3}, [new_request("s", short)])
+    d.run({"s": 1, "l": CHUNK - 1}, [new_request("l", long)])
+    while d.computed["l"] < len(long):
+        d.run({"s": 1, "l": min(CHUNK - 1, len(long) - d.computed["l"])})
+    d.run({"s": 1, "l": 1})
+    d.run({"s": 1, "l": 1})
+    assert d.out["s"] == want_short and d.out["l"] == want_long
+    interleaved = [r for r in runner.records if r.prefills and r.decodes]
+    assert len(interleaved) >= 3 and all(r.decodes == ["s"] for r in interleaved)
+
+
+def test_finished_and_aborted_requests_give_their_slot_back(runner: Runner) -> None:
+    d = Driver(runner)
+    d.run({"a": 4, "b": 4}, [new_request("a", prompt(4, 4)), new_request("b", prompt(4, 5))])
+    assert runner.engine.slots.free_count == 0
+    d.run({"b": 1}, finished={"a"})  # vLLM reports finished and aborted requests alike
+    assert set(runner.engine.slots.used.values()) == {"b"}
+    d.run({"c": 2}, [new_request("c", prompt(2, 6))], finished={"b"})
+    assert set(runner.engine.slots.used.values()) == {"c"}
+    d.run({}, finished={"c"})
+    assert runner.engine.slots.free_count == 2 and not runner.requests
+
+
+def test_preempted_request_resumes_with_the_same_tokens(runner: Runner) -> None:
+    ids = prompt(CHUNK + 3, 7)
+    want = expected(runner, ids, 6)
+    d = Driver(runner)
+    d.run({"a": len(ids)}, [new_request("a", ids)])
+    d.run({"a": 1})
+    d.run({"a": 1})
+    d.run({}, preempted={"a"})
+    assert runner.engine.slots.free_count == 2, "a preempted request keeps no slot"
+    all_tokens = ids + d.out["a"]
+    # vLLM resumes it with every token so far, to be recomputed from position 0.
+    resumed = CachedRequest("a", 0, True, all_tokens)
+    _, sampled = runner.execute(step({"a": len(all_tokens)}, cached=[resumed]))
+    d.out["a"] += sampled["a"]
+    d.computed["a"] = len(all_tokens)
+    for _ in range(2):
+        d.run({"a": 1})
+    assert d.out["a"] == want
+
+
+def test_more_requests_than_slots_is_a_slot_error(runner: Runner) -> None:
+    d = Driver(runner)
+    d.run({"a": 2, "b": 2}, [new_request("a", [5, 6]), new_request("b", [7, 8])])
+    with pytest.raises(SlotError, match="--batch_size"):
+        runner.execute(step({"c": 2}, [new_request("c", [9, 10])]))
+
+
+def test_unsupported_sampling_parameter_is_refused(runner: Runner) -> None:
+    params = VllmParams(temperature=0.7, presence_penalty=0.5)
+    with pytest.raises(InputError, match="presence_penalty"):
+        runner.execute(step({"a": 2}, [new_request("a", [5, 6], params)]))
+    assert runner.engine.slots.free_count == 2
+
+
+def test_seeded_sampling_reproduces(runner: Runner) -> None:
+    ids = prompt(CHUNK + 1, 8)
+    params = VllmParams(temperature=1.3, top_k=40, top_p=0.9, seed=5, max_tokens=8)
+    runs = []
+    for name in ("x", "y"):
+        d = Driver(runner)
+        d.run({name: len(ids)}, [new_request(name, ids, params)])
+        for _ in range(5):
+            d.run({name: 1})
+        d.run({}, finished={name})
+        runs.append(d.out[name])
+    assert runs[0] == runs[1] and len(runs[0]) == 6
