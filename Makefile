@@ -9,7 +9,7 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(OPTIMUM_NEURON_CACHE)/inductor
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast lint export-fixtures smollm2 clean bench
+.PHONY: install demo test test-fast lint docs-check export-fixtures smollm2 clean bench
 
 install: $(STAMP)
 
@@ -25,6 +25,10 @@ demo: install
 
 test: install lint
 	$(PYTHON) -m pytest -q tests
+	$(MAKE) docs-check
+
+docs-check: install
+	$(PYTHON) scripts/docs_check.py
 
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not slow" tests

@@ -1,5 +1,6 @@
 """A real ``vllm serve`` process on 127.0.0.1 for tests: started on a free port, waited for with a
-bounded timeout, stopped (terminate, then kill) whatever the test does."""
+bounded timeout, stopped (terminate, then kill) whatever the test does; a clean stop leaves no
+process of its tree behind (checked)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 STARTUP_SECONDS = 300
 REQUEST_SECONDS = 120
@@ -77,12 +80,17 @@ def vllm_serve(artifact: Path, log: Path, *flags: str) -> Iterator[Server]:
         _wait_healthy(server, process)
         yield server
     finally:
+        children = psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []
         process.terminate()
         try:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        _, alive = psutil.wait_procs(children, timeout=30)
+        for stray in alive:
+            stray.kill()
+    assert not alive, f"vllm serve left processes behind: {[p.pid for p in alive]}"
 
 
 def _wait_healthy(server: Server, process: subprocess.Popen) -> None:

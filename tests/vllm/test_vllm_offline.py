@@ -117,3 +117,44 @@ def test_prompt_longer_than_default_budgets_completes(chunk: int) -> None:
         assert max(p[2] for p in fed) <= chunk, "vLLM scheduled more than one chunk of the prompt at once"
     else:
         assert len(fed) == 1, "a context-encoding artifact must get the whole prompt in one step"
+
+
+def run_until_done(engine: Any, outputs: dict[str, list[int]], limit: int = 200) -> None:
+    """Step ``engine`` until it has no unfinished request, recording each request's latest tokens."""
+    for _ in range(limit):
+        if not engine.has_unfinished_requests():
+            return
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+    raise AssertionError(f"requests still unfinished after {limit} steps")
+
+
+@subprocess_test
+def test_aborted_requests_give_their_slots_back() -> None:
+    from vllm import LLM
+
+    artifact = export_fixture("llama-2x4x8-inductor")
+    short, long, other = prompt(3, 4), prompt(3 * CHUNK, 5), prompt(5, 6)
+    want = {"short": our_tokens(artifact, short, 12), "after": our_tokens(artifact, long, 4)}
+    llm = LLM(model=str(artifact), seed=0)
+    engine, outputs = llm.llm_engine, {}
+    engine.add_request("short", {"prompt_token_ids": short}, greedy(12))
+    engine.add_request("long", {"prompt_token_ids": long}, greedy(4))
+    engine.step()  # short's prompt and the first part of long's
+    engine.abort_request(["long"])  # mid-prefill
+    engine.add_request("other", {"prompt_token_ids": other}, greedy(8))
+    for _ in range(3):
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+    assert 1 <= len(outputs.get("other", [])) < 8, "'other' should be decoding when it is aborted"
+    engine.abort_request(["other"])  # mid-decode
+    run_until_done(engine, outputs)
+    assert outputs["short"] == want["short"], "the request left running changed its tokens"
+    assert llm.collective_rpc("slot_usage") == [{}], "an aborted request kept its KV slot"
+    records = llm.collective_rpc("step_records")[0]
+    fed = Counter()
+    for r in records:
+        fed.update({req: count for req, _, count in r["prefills"]})
+    assert 0 < min(fed.values()) < len(long), f"no request was aborted mid-prefill: {records}"
+    # Both slots are free again: two requests fill the artifact's batch and finish with the right tokens.
+    assert vllm_tokens(llm, [long, short], greedy(4)) == [want["after"], want["short"][:4]]
