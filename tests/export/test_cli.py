@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from optimum.exporters.neuron.cache import cache_root
 from optimum.exporters.neuron.export import export
 from optimum.neuron import NeuronConfig, NeuronModelForCausalLM
 from tests.fixtures.llm.models import tiny_model
+from tests.fixtures.llm.reference import hf_greedy as reference_greedy
 
 OPTIMUM_CLI = str(Path(sys.executable).parent / "optimum-cli")
 SMALL = ["--batch_size", "2", "--sequence_length", "32", "--prefill_chunk_size", "8"]
@@ -47,18 +47,9 @@ def export_llama(entry: str, out: Path, *flags: str) -> subprocess.CompletedProc
     return done
 
 
-def hf_greedy(model: torch.nn.Module, ids: torch.Tensor) -> list[int]:
-    """Greedy new tokens of transformers' ``generate`` (no EOS stop)."""
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, ids.shape[1] :].tolist()
+def hf_greedy(ids: torch.Tensor) -> list[int]:
+    """Greedy new tokens of transformers' ``generate`` on the tiny llama (no EOS stop)."""
+    return reference_greedy(tiny_model("llama"), ids[0].tolist(), NEW_TOKENS)
 
 
 def check_round_trip(out: Path, backend: str) -> None:
@@ -72,20 +63,19 @@ def check_round_trip(out: Path, backend: str) -> None:
         "manifest.json",
     }
     model = NeuronModelForCausalLM.from_pretrained(out)
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (1, length), generator=generator) for length in LENGTHS]
     for ids in prompts:
         ours = model.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])[0, ids.shape[1] :].tolist()
-        assert ours == hf_greedy(reference, ids), f"{backend}: prompt length {ids.shape[1]}"
+        assert ours == hf_greedy(ids), f"{backend}: prompt length {ids.shape[1]}"
     short, long = prompts[1][0], prompts[5][0]
     batch = torch.zeros(2, long.shape[0], dtype=torch.long)
     mask = torch.zeros_like(batch)
     batch[0, -short.shape[0] :], mask[0, -short.shape[0] :] = short, 1
     batch[1], mask[1] = long, 1
     together = model.generate(batch, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=[])
-    assert together[0, long.shape[0] :].tolist() == hf_greedy(reference, short[None])
-    assert together[1, long.shape[0] :].tolist() == hf_greedy(reference, long[None])
+    assert together[0, long.shape[0] :].tolist() == hf_greedy(short[None])
+    assert together[1, long.shape[0] :].tolist() == hf_greedy(long[None])
 
 
 def test_optimum_cli_eager_round_trip(tmp_path: Path) -> None:

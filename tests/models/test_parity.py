@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from optimum.neuron import NeuronModelForCausalLM
 from tests.fixtures.llm.models import FAMILIES, export_fixture, tiny_model
+from tests.fixtures.llm.reference import hf_greedy as reference_greedy
+from tests.fixtures.llm.reference import reference_model
 
 CHUNK = 8
 LENGTHS = [1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 2 * CHUNK + 1, 3 * CHUNK]  # 4C = S leaves no room
@@ -28,7 +29,7 @@ def neuron_model(name: str) -> NeuronModelForCausalLM:
 
 
 def reference(family: str) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(tiny_model(family), dtype=torch.float32).eval()
+    return reference_model(tiny_model(family))
 
 
 def prompt(length: int, seed: int = 0) -> torch.Tensor:
@@ -36,17 +37,8 @@ def prompt(length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 256, (1, length), generator=generator)
 
 
-def hf_greedy(model: torch.nn.Module, ids: torch.Tensor, new: int = NEW_TOKENS) -> list[int]:
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-        min_new_tokens=new,
-    )
-    return out[0, ids.shape[1] :].tolist()
+def hf_greedy(family: str, ids: torch.Tensor, new: int = NEW_TOKENS) -> list[int]:
+    return reference_greedy(tiny_model(family), ids[0].tolist(), new)
 
 
 @pytest.mark.slow
@@ -55,11 +47,11 @@ def hf_greedy(model: torch.nn.Module, ids: torch.Tensor, new: int = NEW_TOKENS) 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers(family: str, mode: str, backend: str) -> None:
     name = f"{family}-2x4x8-{backend}" if mode == "chunked" else f"{family}-2x1x32-ce-{backend}"
-    model, ref = neuron_model(name), reference(family)
+    model = neuron_model(name)
     for length in LENGTHS:
         ids = prompt(length)
         ours = model.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])[0, length:].tolist()
-        assert ours == hf_greedy(ref, ids), f"{name}: prompt length {length}"
+        assert ours == hf_greedy(family, ids), f"{name}: prompt length {length}"
 
 
 @pytest.mark.slow

@@ -128,6 +128,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         vllm_config.cache_config.enable_prefix_caching = False
         vllm_config.scheduler_config.async_scheduling = False
         compat.disable_graph_capture(vllm_config)
+        vllm_config.model_config.dtype = neuron.torch_dtype  # what the artifact computes in (logs, metadata)
         resolve_limits(vllm_config, neuron)
         vllm_config.cache_config.block_size = vllm_config.model_config.max_model_len
         cls._max_topk = neuron.max_topk
