@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from optimum.neuron import NeuronModelForCausalLM
-from optimum.neuron.errors import ArtifactError, InputError
+from optimum.neuron.errors import ArtifactError, IncompatibleConfigError, InputError
 from optimum.neuron.runtime.artifacts import sha256_of
 from tests.fixtures.llm.models import export_fixture
 from tests.utils import subprocess_test
@@ -262,3 +262,23 @@ def test_models_still_usable_after_errors(eager_model: NeuronModelForCausalLM) -
             eager_model.generate(bad, max_new_tokens=2)
     out = eager_model.generate(torch.randint(3, 256, (2, 5)), max_new_tokens=3, eos_token_id=[])
     assert out.shape == (2, 8)
+
+
+def test_chunk_call_on_a_context_encoding_artifact() -> None:
+    engine = NeuronModelForCausalLM.from_pretrained(export_fixture("llama-2x1x32-ce-eager")).engine
+    with pytest.raises(IncompatibleConfigError, match="--prefill_chunk_size"):
+        engine.prefill_chunk([5, 6, 7], [0, 1, 2], 0)
+    with pytest.raises(InputError, match="from position 0"):
+        engine.prefill([5, 6], 0, start=4)
+
+
+def test_bad_chunk_calls(eager_model: NeuronModelForCausalLM) -> None:
+    engine = eager_model.engine
+    with pytest.raises(InputError, match="consecutive"):
+        engine.prefill_chunk([5, 6, 7], [0, 2, 3], 0)
+    with pytest.raises(InputError, match="1 to 8 tokens"):
+        engine.prefill_chunk(list(range(3, 12)), list(range(9)), 0)
+    with pytest.raises(InputError, match="--sequence_length"):
+        engine.prefill_chunk([5, 6, 7, 8], [30, 31, 32, 33], 0)
+    with pytest.raises(InputError, match="not a KV slot"):
+        engine.prefill_chunk([5], [0], 2)
