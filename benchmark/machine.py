@@ -46,3 +46,15 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
         target.copy_(source)
         best = min(best, time.perf_counter() - start)
     return source.numel() / best
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes read per second by a reduction over a large fp32 tensor (all threads, no writes), best of
+    ``repeats``: what a decode step that streams every weight once can at best reach."""
+    source = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        source.sum()
+        best = min(best, time.perf_counter() - start)
+    return source.numel() * source.element_size() / best
