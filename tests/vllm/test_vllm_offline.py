@@ -8,6 +8,7 @@ budgets complete; a long prompt's chunks interleave with the decodes of a runnin
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,25 @@ def vllm_tokens(llm: Any, prompts: list[list[int]], params: Any) -> list[list[in
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def our_tokens(artifact: Path, ids: list[int], new: int = NEW_TOKENS) -> list[int]:
+def prefilled_tokens(records: list[dict[str, Any]]) -> Counter[str]:
+    """Prompt tokens fed per request over the runner's recorded steps."""
+    fed: Counter[str] = Counter()
+    for r in records:
+        for req, _, count in r["prefills"]:
+            fed[req] += count
+    return fed
+
+
+@functools.cache
+def neuron_model(artifact: Path) -> Any:
+    """`NeuronModelForCausalLM` on ``artifact``, loaded once per test process."""
     from optimum.neuron import NeuronModelForCausalLM
 
-    model = NeuronModelForCausalLM.from_pretrained(artifact)
+    return NeuronModelForCausalLM.from_pretrained(artifact)
+
+
+def our_tokens(artifact: Path, ids: list[int], new: int = NEW_TOKENS) -> list[int]:
+    model = neuron_model(artifact)
     return model.generate(torch.tensor([ids]), max_new_tokens=new, eos_token_id=[])[0, len(ids) :].tolist()
 
 
@@ -73,9 +89,7 @@ def test_long_prompt_chunks_interleave_with_running_decodes() -> None:
     out = vllm_tokens(llm, [short, long], greedy(max_tokens=8))
     assert out == [our_tokens(artifact, short, 8), our_tokens(artifact, long, 8)]
     records = llm.collective_rpc("step_records")[0]
-    fed = Counter()
-    for r in records:
-        fed.update({req: count for req, _, count in r["prefills"]})
+    fed = prefilled_tokens(records)
     long_id = max(fed, key=lambda req: fed[req])
     chunk_steps = [r for r in records if any(p[0] == long_id for p in r["prefills"])]
     assert len(chunk_steps) >= 3, f"the long prompt was not fed in chunks: {records}"
@@ -152,9 +166,7 @@ def test_aborted_requests_give_their_slots_back() -> None:
     assert outputs["short"] == want["short"], "the request left running changed its tokens"
     assert llm.collective_rpc("slot_usage") == [{}], "an aborted request kept its KV slot"
     records = llm.collective_rpc("step_records")[0]
-    fed = Counter()
-    for r in records:
-        fed.update({req: count for req, _, count in r["prefills"]})
+    fed = prefilled_tokens(records)
     assert 0 < min(fed.values()) < len(long), f"no request was aborted mid-prefill: {records}"
     # Both slots are free again: two requests fill the artifact's batch and finish with the right tokens.
     assert vllm_tokens(llm, [long, short], greedy(4)) == [want["after"], want["short"][:4]]
