@@ -9,7 +9,7 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(OPTIMUM_NEURON_CACHE)/inductor
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast lint docs-check export-fixtures smollm2 clean bench
+.PHONY: install demo test test-fast lint docs-check export-fixtures smollm2 clean bench bench-quick
 
 install: $(STAMP)
 
@@ -37,6 +37,14 @@ lint: install
 	$(BIN)/ruff check optimum tests benchmark scripts
 	$(BIN)/ruff format --check optimum tests benchmark scripts
 	$(BIN)/mypy optimum
+
+# The serving benchmark (benchmark/README.md). `bench` adds the llama.cpp peer, built from source by pip.
+bench: install
+	$(PYTHON) -m pip install --quiet -e ".[bench]"
+	$(PYTHON) -m benchmark.serve $(ARGS)
+
+bench-quick: install
+	$(PYTHON) -m benchmark.serve --quick $(ARGS)
 
 export-fixtures: install
 	$(PYTHON) tests/fixtures/llm/export_models.py $(ARGS)
