@@ -121,8 +121,20 @@ def run_peers(args: argparse.Namespace, model_dir: Path, gguf: Path | None, work
     return peers
 
 
+def check_device(device: str) -> None:
+    """Refuse ``--device cuda`` up front on a machine without a usable CUDA GPU."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "--device cuda needs an NVIDIA GPU with a CUDA build of torch; this machine has none "
+            f"(torch {torch.__version__}). Run with --device cpu, or on a GPU machine."
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    check_device(args.device)
     workload = QUICK if args.quick else FULL
     if args.sequence_length:
         from dataclasses import replace
