@@ -30,7 +30,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from benchmark.machine import copy_bandwidth, describe
 from benchmark.serving.configs import CONFIGS, FULL, MIXED_CONFIGS, QUICK, ServeConfig, Workload, export_config
-from benchmark.serving.loadgen import run_load, run_mixed
+from benchmark.serving.loadgen import run_idle, run_load, run_mixed
 from benchmark.serving.peers import run_peer
 from benchmark.serving.report import write_report
 from benchmark.serving.server import serving
@@ -81,9 +81,10 @@ def serve_config(
         main = run_load(workload.main, port, artifact, folder / "main.json")
         if config.name not in MIXED_CONFIGS:
             return main, None
-        idle = run_load(workload.chats, port, artifact, folder / "idle-chats.json", seed=1)
-        chats, arrivals = run_mixed(workload.chats, workload.arrivals, workload.arrival_delay_s, port, artifact, folder)
-    return main, {"idle": idle, "chats": chats, "arrivals": arrivals}
+        idle, startup = run_idle(workload.chats, port, artifact, folder / "idle-chats.json", seed=1)
+        interval = startup + workload.arrival_lead_s
+        chats, arrivals = run_mixed(workload.chats, workload.arrivals, interval, port, artifact, folder)
+    return main, {"idle": idle, "chats": chats, "arrivals": arrivals, "interval": {"arrival_interval_s": interval}}
 
 
 def header(args: argparse.Namespace, workload: Workload, bandwidth: float, floor: float) -> list[str]:
@@ -104,7 +105,8 @@ def header(args: argparse.Namespace, workload: Workload, bandwidth: float, floor
         f"chunk {workload.chunk} for chunked configurations",
         f"- main workload: {asdict(workload.main)}",
         f"- mixed workload: chats {asdict(workload.chats)}; long prompts {asdict(workload.arrivals)} "
-        f"whose client starts {workload.arrival_delay_s} s after all chat users run",
+        "from a second client started first, one every (chat client start-up + "
+        f"{workload.arrival_lead_s} s): the first about {workload.arrival_lead_s} s after the chats start",
         "- load generator: `vllm bench serve` (random dataset, fixed seeds, ignore_eos, temperature 0)",
         f"- bandwidth floor: copy bandwidth {bandwidth / 1e9:.1f} GB/s -> {floor:.3g} ms per decode step",
     ]

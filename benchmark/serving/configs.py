@@ -50,8 +50,9 @@ class Workload:
     chats: Load
     """Short chats: decoding while the long prompts of `arrivals` come in (mixed workload)."""
     arrivals: Load
-    arrival_delay_s: float
-    """How long after all chat users run on the server the long prompts' client starts."""
+    arrival_lead_s: float
+    """The first long prompt arrives about this long after the chats start sending; the next ones follow at
+    the same spacing, chat client start-up (measured in the idle run) + this lead."""
 
 
 FULL = Workload(
@@ -60,8 +61,8 @@ FULL = Workload(
     batch_size=8,
     main=Load(prompts=16, users=8, input_len=1500, output_len=128, range_ratio=0.1),
     chats=Load(prompts=12, users=4, input_len=64, output_len=128),
-    arrivals=Load(prompts=3, users=1, input_len=1500, output_len=4),
-    arrival_delay_s=2.0,
+    arrivals=Load(prompts=4, users=1, input_len=1500, output_len=4),
+    arrival_lead_s=5.0,
 )
 QUICK = Workload(
     sequence_length=512,
@@ -70,7 +71,7 @@ QUICK = Workload(
     main=Load(prompts=8, users=8, input_len=300, output_len=32, range_ratio=0.1),
     chats=Load(prompts=8, users=4, input_len=32, output_len=48),
     arrivals=Load(prompts=2, users=1, input_len=300, output_len=4),
-    arrival_delay_s=1.0,
+    arrival_lead_s=1.0,
 )
 
 

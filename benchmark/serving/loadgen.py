@@ -4,9 +4,9 @@ alone or two at once (the mixed workload: short chats while long prompts arrive)
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,6 @@ from benchmark.serving.configs import Load
 from benchmark.serving.server import SERVED_NAME, vllm_cli
 
 PERCENTILES = "50,90,99"
-RUNNING_GAUGE = "vllm:num_requests_running{"
 
 
 class LoadError(RuntimeError):
@@ -38,9 +37,15 @@ def bench_command(load: Load, port: int, tokenizer: Path, result: Path, seed: in
     ]  # fmt: skip
 
 
-def _start(load: Load, port: int, tokenizer: Path, result: Path, seed: int) -> subprocess.Popen[bytes]:
-    log = result.with_suffix(".log").open("wb")
-    return subprocess.Popen(bench_command(load, port, tokenizer, result, seed), stdout=log, stderr=subprocess.STDOUT)
+def _start(
+    load: Load, port: int, tokenizer: Path, result: Path, seed: int, request_rate: float | None = None
+) -> subprocess.Popen[bytes]:
+    cmd = bench_command(load, port, tokenizer, result, seed)
+    if request_rate is not None:  # evenly spaced arrivals, the first one 1 / rate after the run starts
+        cmd += ["--request-rate", str(request_rate), "--burstiness", "inf"]
+    with result.with_suffix(".log").open("wb") as log:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its log shows when it starts sending
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def _finish(proc: subprocess.Popen[bytes], result: Path, expected: int) -> dict[str, Any]:
@@ -57,32 +62,35 @@ def run_load(load: Load, port: int, tokenizer: Path, result: Path, seed: int = 0
     return _finish(_start(load, port, tokenizer, result, seed), result, load.prompts)
 
 
-def running_requests(port: int) -> float:
-    """The server's ``vllm:num_requests_running`` gauge (its Prometheus ``/metrics``)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(RUNNING_GAUGE))
+def wait_started(proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 300) -> float:
+    """Block until the `vllm bench serve` writing ``log`` has started up and sends its requests; the seconds
+    that took (it imports vLLM and builds its prompts first: several seconds of CPU on a small machine)."""
+    start = time.monotonic()
+    while "Starting main benchmark run" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() - start > timeout_s:
+            raise LoadError(f"vllm bench serve did not start its run: see {log}")
+        time.sleep(0.1)
+    return time.monotonic() - start
 
 
-def wait_running(port: int, count: int, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
-    """Block until ``count`` requests run on the server (the chats are decoding), or fail if ``proc`` ended."""
-    deadline = time.monotonic() + timeout_s
-    while running_requests(port) < count:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise LoadError(f"the chats never had {count} requests running on the server")
-        time.sleep(0.05)
+def run_idle(load: Load, port: int, tokenizer: Path, result: Path, seed: int) -> tuple[dict[str, Any], float]:
+    """`run_load`, plus how long the client took to start sending."""
+    proc = _start(load, port, tokenizer, result, seed)
+    startup = wait_started(proc, result.with_suffix(".log"))
+    return _finish(proc, result, load.prompts), startup
 
 
 def run_mixed(
-    chats: Load, arrivals: Load, delay_s: float, port: int, tokenizer: Path, folder: Path
+    chats: Load, arrivals: Load, interval_s: float, port: int, tokenizer: Path, folder: Path
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Short chats, and ``delay_s`` after all of them run on the server, long prompts, at once against one
-    server: both results. (The long prompts' client is started then; its own start-up adds a few seconds.)"""
-    chat_proc = _start(chats, port, tokenizer, folder / "mixed-chats.json", seed=1)
-    wait_running(port, chats.users, chat_proc)
-    time.sleep(delay_s)
-    long_proc = _start(arrivals, port, tokenizer, folder / "mixed-arrivals.json", seed=2)
-    return (
-        _finish(chat_proc, folder / "mixed-chats.json", chats.prompts),
-        _finish(long_proc, folder / "mixed-arrivals.json", arrivals.prompts),
-    )
+    """Short chats while long prompts arrive every ``interval_s`` seconds, against one server: both results.
+
+    The long prompts' client starts first and, once up, sleeps ``interval_s`` before its first arrival;
+    the chats' client is started then. With ``interval_s`` longer than a client's start-up, the long
+    prompts arrive while the chats decode and neither client's start-up competes with measured requests.
+    """
+    arrivals_result, chats_result = folder / "mixed-arrivals.json", folder / "mixed-chats.json"
+    long_proc = _start(arrivals, port, tokenizer, arrivals_result, seed=2, request_rate=1 / interval_s)
+    wait_started(long_proc, arrivals_result.with_suffix(".log"))
+    chat_proc = _start(chats, port, tokenizer, chats_result, seed=1)
+    return _finish(chat_proc, chats_result, chats.prompts), _finish(long_proc, arrivals_result, arrivals.prompts)

@@ -48,8 +48,8 @@ def mixed_table(mixed: dict[str, dict[str, Any]]) -> list[str]:
     """Per mixed configuration: the chats' ITL idle vs during long-prompt arrivals, and TTFTs under the mix."""
     rows = [
         "| configuration | chat ITL p50 idle ms | chat ITL p99 idle ms | chat ITL p99 with arrivals ms | x idle | "
-        "chat TTFT p90 ms | long-prompt TTFT p90 ms | all TTFT p90 ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "chat TTFT p90 ms | long-prompt TTFT p90 ms | all TTFT p90 ms | a long prompt every s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in mixed.items():
         idle, chats, longs = m["idle"], m["chats"], m["arrivals"]
@@ -58,7 +58,7 @@ def mixed_table(mixed: dict[str, dict[str, Any]]) -> list[str]:
             f"| {LABELS[name]} | {_fmt(idle['p50_itl_ms'])} | {_fmt(idle['p99_itl_ms'])} | "
             f"{_fmt(chats['p99_itl_ms'])} | "
             f"{_fmt(chats['p99_itl_ms'] / idle['p99_itl_ms'], 2)} | {_fmt(chats['p90_ttft_ms'], 0)} | "
-            f"{_fmt(longs['p90_ttft_ms'], 0)} | {_fmt(all_ttft, 0)} |"
+            f"{_fmt(longs['p90_ttft_ms'], 0)} | {_fmt(all_ttft, 0)} | {_fmt(m['interval']['arrival_interval_s'])} |"
         )
     return rows
 
@@ -130,7 +130,14 @@ def plot_mixed(mixed: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-SUMMARY_KEYS = ("output_throughput", "duration", "completed", "total_output_tokens", "mean_e2el_ms")
+SUMMARY_KEYS = (
+    "output_throughput",
+    "duration",
+    "completed",
+    "total_output_tokens",
+    "mean_e2el_ms",
+    "arrival_interval_s",
+)
 
 
 def compact(result: dict[str, Any]) -> dict[str, Any]:
