@@ -53,8 +53,9 @@ def measure_transformers(model_dir: str, dtype: str, batch: int, steps: int) -> 
     """Per-step times (s) of transformers eager decoding with its dynamic KV cache."""
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    from optimum.neuron.config import DTYPES
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
     ids = torch.tensor(_prompts(batch, CONTEXT))
     times = []
     with torch.inference_mode():

@@ -58,9 +58,10 @@ def model_source(name: str, dtype: str) -> tuple[Path, Path | None]:
     """The transformers folder to export, and the GGUF llama.cpp reads (None when there is none)."""
     if name != "smollm2":
         return Path(name), None
+    from optimum.neuron.config import DTYPES
     from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir, gguf_path
 
-    torch_dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
+    torch_dtype = str(DTYPES[dtype]).removeprefix("torch.")
     return convert_smollm2(default_smollm2_dir(torch_dtype), dtype=torch_dtype), gguf_path()
 
 

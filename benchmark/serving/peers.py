@@ -16,9 +16,11 @@ import sys
 import time
 from typing import Any
 
+import numpy
 import torch
 
 from benchmark.serving.configs import Load
+from optimum.neuron.config import DTYPES
 
 
 def random_prompts(vocab_size: int, load: Load, seed: int = 0) -> list[list[int]]:
@@ -31,12 +33,8 @@ def random_prompts(vocab_size: int, load: Load, seed: int = 0) -> list[list[int]
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) by linear interpolation, like numpy's default."""
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    """The ``q``-th percentile (0-100), numpy's linear interpolation (as `vllm bench serve` computes them)."""
+    return float(numpy.percentile(values, q))
 
 
 def summary(
@@ -59,8 +57,7 @@ def transformers_peer(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     load = Load(**spec["load"])
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec["dtype"]]
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=DTYPES[spec["dtype"]]).eval()
     prompts = random_prompts(model.config.vocab_size, load)
     rounds = [prompts[i : i + load.users] for i in range(0, len(prompts), load.users)]
 
