@@ -4,18 +4,31 @@ VENV := .venv
 BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.installed
+VENV_XLA := .venv-xla
+XLA_STAMP := $(VENV_XLA)/.installed
 export OPTIMUM_NEURON_CACHE ?= $(CURDIR)/.cache/optimum-neuron
 export TORCHINDUCTOR_CACHE_DIR ?= $(OPTIMUM_NEURON_CACHE)/inductor
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast lint docs-check export-fixtures smollm2 clean bench bench-quick
+.PHONY: install install-xla demo test test-fast test-xla lint docs-check export-fixtures smollm2 clean bench bench-quick
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(PY) $(VENV)
 	touch $(STAMP)
+
+# The xla backend's own environment (torch 2.9.0 + torch-xla 2.9.0, no vllm): docs/xla.md.
+install-xla: $(XLA_STAMP)
+
+$(XLA_STAMP): pyproject.toml scripts/install_xla.sh
+	bash scripts/install_xla.sh $(PY) $(VENV_XLA)
+	touch $(XLA_STAMP)
+
+# The backend contract suite and the xla tests on XLA:CPU, in .venv-xla.
+test-xla: install-xla
+	PJRT_DEVICE=CPU $(VENV_XLA)/bin/python -m pytest -q -m xla tests/contract tests/xla
 
 smollm2: install
 	$(PYTHON) -m optimum.neuron.smollm2 $(OPTIMUM_NEURON_CACHE)/models/smollm2-135m-instruct
@@ -50,4 +63,4 @@ export-fixtures: install
 	$(PYTHON) tests/fixtures/llm/export_models.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .cache build *.egg-info
+	rm -rf $(VENV) $(VENV_XLA) .cache build *.egg-info

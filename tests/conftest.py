@@ -1,10 +1,14 @@
-"""Shared test setup: a project-local cache, offline hubs."""
+"""Shared test setup: a project-local cache, offline hubs, XLA on the CPU; tests marked ``xla`` are
+skipped where torch-xla is not installed (they run in .venv-xla: ``make test-xla``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OPTIMUM_NEURON_CACHE", str(ROOT / ".cache" / "optimum-neuron"))
@@ -12,3 +16,17 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ["OPTIMU
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(ROOT))
+
+HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
+if HAS_TORCH_XLA:
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+_NO_XLA = "torch_xla is not installed here: the xla tests run in .venv-xla (make install-xla && make test-xla)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked ``xla`` when torch-xla is absent, saying where they run."""
+    if HAS_TORCH_XLA:
+        return
+    for item in items:
+        if item.get_closest_marker("xla") is not None:
+            item.add_marker(pytest.mark.skip(reason=_NO_XLA))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,7 +66,7 @@ class NeuronConfig:
     def cache_key(self, model_fingerprint: str) -> str:
         """A hash of these fields, the model, and the toolkit/torch versions: the export cache key."""
         payload = json.dumps(
-            {"config": self.compile_fields(), "model": model_fingerprint, "versions": runtime_versions()},
+            {"config": self.compile_fields(), "model": model_fingerprint, "versions": runtime_versions(self.backend)},
             sort_keys=True,
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
@@ -76,7 +77,7 @@ class NeuronConfig:
         body = {
             **fields,
             "graphs": graphs,
-            "versions": runtime_versions(),
+            "versions": runtime_versions(self.backend),
             "hash": _fields_hash(fields),
         }
         return json.dumps(body, indent=2, sort_keys=True)
@@ -93,9 +94,20 @@ class NeuronConfig:
         return cls(**fields, extra=extra)
 
 
-def runtime_versions() -> dict[str, str]:
-    """Versions that must match between export and load."""
-    return {"optimum-neuronx": __version__, "torch": torch.__version__.split("+")[0]}
+def runtime_versions(backend: str | None = None) -> dict[str, str]:
+    """Versions that must match between export and load (for ``backend="xla"``, torch-xla's too)."""
+    versions = {"optimum-neuronx": __version__, "torch": torch.__version__.split("+")[0]}
+    if backend == "xla":
+        versions["torch-xla"] = _distribution_version("torch-xla")
+    return versions
+
+
+def _distribution_version(name: str) -> str:
+    """An installed distribution's version (without importing it), or ``"not installed"``."""
+    try:
+        return importlib.metadata.version(name).split("+")[0]
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _parse_json(text: str) -> dict[str, Any]:
@@ -147,6 +159,11 @@ def _check_dtype_and_backend(config: NeuronConfig) -> None:
         raise IncompatibleConfigError(f"backend={config.backend!r} is not one of {BACKENDS}: pass --backend inductor.")
     if config.device not in DEVICES:
         raise IncompatibleConfigError(f"device={config.device!r} is not one of {DEVICES}: pass --device cpu.")
+    if config.backend == "xla" and config.device == "cuda":
+        raise IncompatibleConfigError(
+            "backend='xla' runs on --device cpu (XLA:CPU) or --device neuron (the Neuron PJRT device); for CUDA "
+            "use --backend inductor --device cuda."
+        )
     neuron_pair = (config.backend == "neuron") == (config.device == "neuron")
     if not neuron_pair and config.backend != "xla":
         raise IncompatibleConfigError(
@@ -163,10 +180,12 @@ def _check_sampling(config: NeuronConfig) -> None:
 def load_config_file(text: str) -> NeuronConfig:
     """Parse ``neuron_config.json`` and refuse an artifact made by other toolkit/torch versions (checked
     first: another version may have other fields, which is not corruption)."""
-    found, expected = _parse_json(text).get("versions", {}), runtime_versions()
+    body = _parse_json(text)
+    found, expected = body.get("versions", {}), runtime_versions(body.get("backend"))
     if found != expected:
+        where = " or load it in .venv-xla (make install-xla)" if "torch-xla" in found else ""
         raise ArtifactError(
             f"artifact was exported with {found}, this environment has {expected}: re-export the model "
-            "with this environment (optimum-cli export neuron ...)."
+            f"with this environment (optimum-cli export neuron ...){where}."
         )
     return NeuronConfig.from_json(text)

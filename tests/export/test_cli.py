@@ -7,6 +7,7 @@ and a one-line message that says how to fix them.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -26,6 +27,9 @@ from tests.fixtures.llm.reference import hf_greedy as reference_greedy
 OPTIMUM_CLI = str(Path(sys.executable).parent / "optimum-cli")
 SMALL = ["--batch_size", "2", "--sequence_length", "32", "--prefill_chunk_size", "8"]
 LENGTHS = [1, 7, 8, 9, 16, 17, 24]
+GRAPH_FILES = {"inductor": (".pt2",), "eager": (".json",), "xla": (".xla.json", ".hlo.pb", ".constants.safetensors")}
+"""Per backend, the files each graph of an artifact has under ``graphs/``."""
+HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 NEW_TOKENS = 6
 
 
@@ -56,12 +60,9 @@ def check_round_trip(out: Path, backend: str) -> None:
     """The artifact at ``out`` has the expected layout and generates transformers' greedy tokens."""
     body = json.loads((out / "neuron_config.json").read_text())
     assert (body["backend"], body["batch_size"], body["prefill_chunk_size"]) == (backend, 2, 8)
-    suffix = ".pt2" if backend == "inductor" else ".json"
-    assert {p.name for p in (out / "graphs").iterdir()} == {
-        f"chunked_prefill{suffix}",
-        f"token_generation{suffix}",
-        "manifest.json",
-    }
+    kinds = ("chunked_prefill", "token_generation")
+    expected = {f"{kind}{suffix}" for kind in kinds for suffix in GRAPH_FILES[backend]} | {"manifest.json"}
+    assert {p.name for p in (out / "graphs").iterdir()} == expected
     model = NeuronModelForCausalLM.from_pretrained(out)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (1, length), generator=generator) for length in LENGTHS]
@@ -140,13 +141,18 @@ BAD_INPUTS = [
     ("python -m", ["--backend", "neuron"], ["torch_neuronx", "--backend inductor"]),
     ("optimum-cli", ["--backend", "neuron", "--device", "neuron"], ["torch_neuronx", "--backend inductor"]),
     ("python -m", ["--device", "cuda"], ["no CUDA device", "--device cpu"]),
+    ("python -m", ["--backend", "xla", "--device", "neuron"], ["torch-neuronx", "no Neuron device", "not verified"]),
+    ("optimum-cli", ["--backend", "xla", "--device", "cuda"], ["--device cpu", "--backend inductor --device cuda"]),
+    ("python -m", ["--backend", "xla"], ["torch-xla is not installed", "make install-xla"]),
 ]
 
 
 @pytest.mark.parametrize(("entry", "flags", "fragments"), BAD_INPUTS, ids=[" ".join(b[1]) for b in BAD_INPUTS])
 def test_bad_flags_exit_2_with_fix(tmp_path: Path, entry: str, flags: list[str], fragments: list[str]) -> None:
-    if "cuda" in flags and torch.cuda.is_available():
+    if "cuda" in flags and "xla" not in flags and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
+    if flags == ["--backend", "xla"] and HAS_TORCH_XLA:
+        pytest.skip("torch-xla is installed here: --backend xla works (tests/xla)")
     out = tmp_path / "out"
     done = run_cli(entry, "--model", str(tiny_model("llama")), "--sequence_length", "32", *flags, str(out))
     assert_refused(done, fragments)

@@ -14,7 +14,7 @@ Tolerances (last-token logits, absolute; they are bf16 values of magnitude < 16 
   prefix, or within `HF_TOLERANCE` of it (teacher forcing our tokens through transformers). Exact
   sequence equality is not a bf16 property: on random tiny models near-ties within the rounding noise
   above are common (qwen2, length 16, step 4 picked the runner-up), and after one such pick the two
-  sequences legitimately differ. fp32 parity (tests/models/test_parity.py) demands identical tokens.
+  sequences legitimately differ. fp32 parity (tests/contract/test_backend_contract.py) demands identical tokens.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ INVALID = [
     ({"device": "tpu"}, "--device cpu"),
     ({"backend": "neuron", "device": "cpu"}, "--device neuron"),
     ({"backend": "inductor", "device": "neuron"}, "--backend neuron"),
+    ({"backend": "xla", "device": "cuda"}, "--backend inductor --device cuda"),
     ({"on_device_sampling": "yes"}, "on_device_sampling must be a bool"),
 ]
 
@@ -118,6 +119,16 @@ def test_other_versions_rejected_with_reexport_fix() -> None:
     with pytest.raises(ArtifactError, match="re-export") as info:
         load_config_file(tampered(versions=other))
     assert "0.0.0-other" in str(info.value)
+
+
+def test_xla_config_records_torch_xla_and_refuses_another() -> None:
+    body = json.loads(chunked(backend="xla").to_json(GRAPHS))
+    assert body["versions"] == runtime_versions("xla") and "torch-xla" in body["versions"]
+    assert "torch-xla" not in runtime_versions("eager")
+    other = {**runtime_versions("xla"), "torch-xla": "2.8.0"}
+    with pytest.raises(ArtifactError, match="re-export") as info:
+        load_config_file(json.dumps({**body, "versions": other}))
+    assert "2.8.0" in str(info.value) and ".venv-xla" in str(info.value)
 
 
 def test_other_torch_version_rejected() -> None:

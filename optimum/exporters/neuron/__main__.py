@@ -24,9 +24,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auto_cast_type", choices=("fp32", "bf16", "fp16"), default="fp32", help="Compute dtype.")
     parser.add_argument(
         "--backend",
-        choices=("inductor", "eager", "neuron"),
+        choices=("inductor", "eager", "xla", "neuron"),
         default="inductor",
-        help="inductor: AOTInductor packages (CPU/CUDA); eager: reference; neuron: not available here.",
+        help="inductor: AOTInductor packages (CPU/CUDA); eager: reference; xla: HLO graphs for XLA:CPU or the "
+        "Neuron device (needs .venv-xla, see docs/xla.md); neuron: not available here.",
     )
     parser.add_argument("--device", choices=("cpu", "cuda", "neuron"), default="cpu", help="Target device.")
     parser.add_argument("--max_topk", type=int, default=256, help="Largest top_k of on-device sampling.")

@@ -93,20 +93,20 @@ def _replace_file(source: str, target: str) -> str:
 
 def _build(model_dir: Path, out: Path, config: NeuronConfig) -> None:
     backend = get_backend(config.backend)
-    backend.placement(config.device)  # refuses an unavailable device before any work
+    device = backend.placement(config.device)  # refuses an unavailable device before any work
     kinds = graph_kinds(config)
     (out / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
     with StepProgress(f"export {model_dir.name} ({config.backend}, {config.device})", 2 + len(kinds)) as bar:
         with bar.step("load checkpoint"):
             hf_config = _hf_config(model_dir)
-            decoder, weights = load_decoder(hf_config, model_dir, config)
-            kv_cache = _cache_for(hf_config, config)
+            decoder, weights = load_decoder(hf_config, model_dir, config, device)
+            kv_cache = _cache_for(hf_config, config, device)
         files: dict[GraphKind, str] = {}
         for kind in kinds:
             files[kind] = graph_file(kind, backend.suffix)
             with bar.step(f"trace + compile {kind.value} {_shape(config, kind)}"):
                 spec = graph_spec(config, kind)
-                inputs = {k: v.to(config.device) for k, v in example_inputs(config, kind, hf_config.vocab_size).items()}
+                inputs = {k: v.to(device) for k, v in example_inputs(config, kind, hf_config.vocab_size).items()}
                 backend.compile(
                     graph_module(decoder, spec).eval(), graph_args(kind, inputs, kv_cache), out / files[kind]
                 )
@@ -130,17 +130,20 @@ def _hf_config(model_dir: Path) -> Any:
         ) from err
 
 
-def load_decoder(hf_config: Any, model_dir: Path, config: NeuronConfig) -> tuple[StaticDecoder, dict]:
-    """The static decoder of ``model_dir`` with its strictly mapped weights, on ``config.device``."""
+def load_decoder(
+    hf_config: Any, model_dir: Path, config: NeuronConfig, device: str | torch.device | None = None
+) -> tuple[StaticDecoder, dict]:
+    """The static decoder of ``model_dir`` with its strictly mapped weights, on ``device`` (default
+    ``config.device``; the xla backend passes its XLA device, see `Backend.placement`)."""
     with torch.device("meta"):
         decoder = build_decoder(hf_config, config.sequence_length, config.max_topk)
     params = map_state_dict(decoder, read_checkpoint(model_dir), config.torch_dtype)
-    weights = {k: v.to(config.device) for k, v in constants_of(decoder, params).items()}
+    weights = {k: v.to(device or config.device) for k, v in constants_of(decoder, params).items()}
     bind_weights(decoder, weights)
     return decoder.eval(), weights
 
 
-def _cache_for(hf_config: Any, config: NeuronConfig) -> list[torch.Tensor]:
+def _cache_for(hf_config: Any, config: NeuronConfig, device: str | torch.device) -> list[torch.Tensor]:
     dims = attention_dims(hf_config)
     return allocate_kv_cache(
         hf_config.num_hidden_layers,
@@ -149,7 +152,7 @@ def _cache_for(hf_config: Any, config: NeuronConfig) -> list[torch.Tensor]:
         config.sequence_length,
         dims.head_dim,
         config.torch_dtype,
-        config.device,
+        device,
     )
 
 

@@ -16,11 +16,15 @@ def get_backend(name: str) -> Backend:
         from .inductor import InductorBackend
 
         return InductorBackend()
+    if name == "xla":
+        from .xla import XlaBackend
+
+        return XlaBackend()
     if name == "neuron":
         from .neuron import NeuronBackend
 
         return NeuronBackend()
-    raise BackendUnavailableError(f"unknown backend {name!r}: use --backend inductor or --backend eager.")
+    raise BackendUnavailableError(f"unknown backend {name!r}: use --backend inductor, eager or xla.")
 
 
 __all__ = ["Backend", "GraphFactory", "LoadedGraph", "get_backend"]
