@@ -26,9 +26,10 @@ $(XLA_STAMP): pyproject.toml scripts/install_xla.sh
 	bash scripts/install_xla.sh $(PY) $(VENV_XLA)
 	touch $(XLA_STAMP)
 
-# The backend contract suite and the xla tests on XLA:CPU, in .venv-xla.
+# The backend contract suite, the xla tests and docs/xla.md's runnable block on XLA:CPU, in .venv-xla.
 test-xla: install-xla
 	PJRT_DEVICE=CPU $(VENV_XLA)/bin/python -m pytest -q -m xla tests/contract tests/xla
+	$(VENV_XLA)/bin/python scripts/docs_check.py --venv $(VENV_XLA) docs/xla.md
 
 smollm2: install
 	$(PYTHON) -m optimum.neuron.smollm2 $(OPTIMUM_NEURON_CACHE)/models/smollm2-135m-instruct

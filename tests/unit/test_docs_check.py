@@ -39,11 +39,33 @@ echo first
 ```sh
 echo hello world
 ```
+
+<!-- docs-check venv=".venv-other" expect="x" -->
+```bash
+exit 1
+```
 """
 
 
 def test_only_marked_blocks_run_with_their_expected_text(docs_check: ModuleType) -> None:
-    assert docs_check.runnable_blocks(DOC) == [("echo first", ""), ("echo hello world", "hello")]
+    Block = docs_check.Block
+    assert docs_check.runnable_blocks(DOC) == [
+        Block("echo first"),
+        Block("echo hello world", expect="hello"),
+        Block("exit 1", expect="x", venv=".venv-other"),
+    ]
+
+
+def test_an_unknown_marker_attribute_is_refused(docs_check: ModuleType) -> None:
+    with pytest.raises(ValueError, match="expekt"):
+        docs_check.runnable_blocks('<!-- docs-check expekt="x" -->\n```bash\ntrue\n```\n')
+
+
+def test_blocks_of_another_venv_are_left_to_it(docs_check: ModuleType, tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(DOC)
+    assert docs_check.check_file(page) == 0  # the `exit 1` block belongs to .venv-other
+    assert docs_check.check_file(page, ".venv-other") == 1  # which does not exist: counted as failed
 
 
 def test_verdict_fails_on_exit_status_and_on_missing_text(docs_check: ModuleType) -> None:
