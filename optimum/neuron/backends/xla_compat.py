@@ -55,6 +55,11 @@ def load(device: str) -> ModuleType:
 
     Raises `BackendUnavailableError` naming what is missing: torch-xla itself, its pinned version, or
     for ``neuron`` the Neuron SDK packages and device."""
+    if device not in PJRT_DEVICES:
+        raise BackendUnavailableError(
+            f"--device {device} is not a device of the xla backend: use --device cpu (XLA:CPU) or --device neuron; "
+            f"for {device} use --backend inductor --device {device}."
+        )
     problems = _missing(device)
     if problems:
         raise BackendUnavailableError(_explain(device, problems))
@@ -69,8 +74,6 @@ def load(device: str) -> ModuleType:
 
 
 def _missing(device: str) -> list[str]:
-    if device not in PJRT_DEVICES:
-        return [f"--device {device} has no XLA PJRT device here (use --device cpu or --device neuron)"]
     problems = []
     found = installed_version()
     if found is None:
