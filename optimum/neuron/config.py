@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,16 +97,10 @@ def runtime_versions(backend: str | None = None) -> dict[str, str]:
     """Versions that must match between export and load (for ``backend="xla"``, torch-xla's too)."""
     versions = {"optimum-neuronx": __version__, "torch": torch.__version__.split("+")[0]}
     if backend == "xla":
-        versions["torch-xla"] = _distribution_version("torch-xla")
+        from .backends.xla_compat import installed_version  # reads metadata only: torch-xla is not imported
+
+        versions["torch-xla"] = (installed_version() or "not installed").split("+")[0]
     return versions
-
-
-def _distribution_version(name: str) -> str:
-    """An installed distribution's version (without importing it), or ``"not installed"``."""
-    try:
-        return importlib.metadata.version(name).split("+")[0]
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def _parse_json(text: str) -> dict[str, Any]:

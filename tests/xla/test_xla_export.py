@@ -10,6 +10,7 @@ import pytest
 from safetensors.torch import load_file
 
 from optimum.neuron.backends.xla_graph import ParameterMap
+from optimum.neuron.config import runtime_versions
 from optimum.neuron.runtime.artifacts import sha256_of
 from tests.export.test_artifacts import artifact_copy, edit_json, expect_artifact_error, rehash_manifest
 from tests.export.test_cli import check_round_trip, export_llama, run_cli
@@ -42,7 +43,8 @@ def test_parameter_map_names_every_weight_cache_tensor_and_input(tmp_path: Path)
         assert {key for source, key in sources if source == "input"} <= {str(i) for i in range(inputs)}
         assert [o.source for o in spec.outputs] == ["result"] + ["cache"] * 4
         assert [o.key for o in spec.outputs[1:]] == ["0", "1", "2", "3"]
-        assert spec.versions == {"torch": "2.9.0", "torch-xla": "2.9.0"}
+        assert spec.versions == runtime_versions("xla")
+        assert (spec.versions["torch"], spec.versions["torch-xla"]) == ("2.9.0", "2.9.0")
         assert (root / "graphs" / f"{kind}.hlo.pb").stat().st_size > 1000
 
 

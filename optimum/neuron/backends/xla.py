@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..config import runtime_versions
 from ..errors import ArtifactError, InputError, UnsupportedModelError
 from . import xla_compat
 from .base import Backend, GraphFactory, LoadedGraph
@@ -166,8 +167,7 @@ def _write(path: Path, suffix: str, proto: bytes, constants: dict, parameters: l
         "hlo": {"file": hlo.name, "sha256": _sha256(hlo)},
         "constants": {"file": consts.name, "sha256": _sha256(consts)},
     }
-    versions = {"torch": torch.__version__.split("+")[0], "torch-xla": xla_compat.installed_version() or "none"}
-    path.write_text(ParameterMap(parameters, outputs, files, versions).to_json())
+    path.write_text(ParameterMap(parameters, outputs, files, runtime_versions("xla")).to_json())
 
 
 def _sha256(path: Path) -> str:
