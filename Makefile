@@ -38,14 +38,14 @@ demo: install
 	$(PYTHON) -m optimum.neuron.demo
 
 test: install lint
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 	$(MAKE) docs-check
 
 docs-check: install
 	$(PYTHON) scripts/docs_check.py
 
 test-fast: install
-	$(PYTHON) -m pytest -q -m "not slow" tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup -m "not slow" tests
 
 lint: install
 	$(BIN)/ruff check optimum tests benchmark scripts

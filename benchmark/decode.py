@@ -35,16 +35,16 @@ def _prompts(batch: int, length: int) -> list[list[int]]:
 def measure_ours(artifact: str, batch: int, steps: int) -> list[float]:
     """Per-step decode times (s) of our engine with ``batch`` live slots after a CONTEXT-token prefill."""
     from optimum.neuron import NeuronModelForCausalLM
+    from optimum.neuron.runtime.sampling import SamplingParams
 
     engine = NeuronModelForCausalLM.from_pretrained(artifact).engine
-    tokens = {}
-    for slot, prompt in enumerate(_prompts(batch, CONTEXT)):
-        tokens[slot] = int(engine.prefill(prompt, slot).argmax())
+    for row, prompt in enumerate(_prompts(batch, CONTEXT)):
+        engine.admit(row, prompt, SamplingParams())
+        engine.step({row: CONTEXT})
     times = []
-    for step in range(steps + 3):
-        active = {slot: (tok, CONTEXT + step) for slot, tok in tokens.items()}
+    for _ in range(steps + 3):
         start = time.perf_counter()
-        tokens = engine.decode(active, {})
+        engine.step(dict.fromkeys(range(batch), 1))
         times.append(time.perf_counter() - start)
     return times[3:]
 

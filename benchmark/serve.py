@@ -33,7 +33,7 @@ from benchmark.serving.configs import CONFIGS, FULL, MIXED_CONFIGS, QUICK, Serve
 from benchmark.serving.loadgen import run_idle, run_load, run_mixed
 from benchmark.serving.peers import run_peer
 from benchmark.serving.report import write_report
-from benchmark.serving.server import serving
+from benchmark.serving.server import SERVED_NAME, serving
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sequence-length", type=int, help="override the workload's sequence length")
     parser.add_argument("--configs", nargs="+", choices=[c.name for c in CONFIGS], help="a subset of configurations")
     parser.add_argument("--no-peers", action="store_true", help="skip transformers and llama.cpp")
-    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--port", type=int, default=0, help="Server port (default: a free one).")
     parser.add_argument("--machine", default="cpu-2core", help="results subfolder name")
     parser.add_argument("--out", type=Path, help="results folder (default benchmark/results/<machine>/serving[-quick])")
     return parser.parse_args(argv)
@@ -78,7 +78,9 @@ def serve_config(
     """Serve one artifact: the main workload, then (for `MIXED_CONFIGS`) idle chats and the mixed workload."""
     folder = work / config.name
     folder.mkdir(parents=True, exist_ok=True)
-    with serving(artifact, port, folder / "server.log"):
+    flags = ("--served-model-name", SERVED_NAME, "--seed", "0")
+    with serving(artifact, folder / "server.log", *flags, port=port) as server:
+        port = server.port
         main = run_load(workload.main, port, artifact, folder / "main.json")
         if config.name not in MIXED_CONFIGS:
             return main, None

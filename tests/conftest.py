@@ -3,7 +3,6 @@ skipped where torch-xla is not installed (they run in .venv-xla: ``make test-xla
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -17,7 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(ROOT))
 
-HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
+from tests.utils import HAS_TORCH_XLA  # noqa: E402 (after the path and cache setup above)
+
 if HAS_TORCH_XLA:
     os.environ.setdefault("PJRT_DEVICE", "CPU")
 _NO_XLA = "torch_xla is not installed here: the xla tests run in .venv-xla (make install-xla && make test-xla)"

@@ -1,8 +1,9 @@
-"""Test helpers: `subprocess_test` runs a test alone in a fresh interpreter."""
+"""Test helpers: `subprocess_test` runs a test alone in a fresh interpreter; `HAS_TORCH_XLA`."""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -10,6 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 _CHILD = "OPTIMUM_NEURON_IN_SUBPROCESS"
+HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
+"""True in .venv-xla (make install-xla), where the tests marked ``xla`` run."""
 
 
 def subprocess_test(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,29 +1,52 @@
-"""`vllm serve` on 127.0.0.1 for one artifact: started, awaited until healthy, stopped with its whole
-process group (the engine core included) so nothing outlives a configuration."""
+"""`vllm serve` on 127.0.0.1 for one artifact, the one launcher of the benchmark and the tests: started in
+its own process group on a free port (unless one is given), awaited until healthy, then stopped
+(SIGTERM to the group, SIGKILL to whatever is left) so nothing outlives it. What a graceful stop left
+running is recorded, for the tests that check a clean shutdown."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 SERVED_NAME = "bench"
-"""The model name the load generator asks for, whatever the artifact's path."""
+"""The model name the benchmark's load generator asks for, whatever the artifact's path."""
 
 
 class ServerError(RuntimeError):
-    """`vllm serve` exited or never became healthy; the message names its log."""
+    """`vllm serve` exited or never became healthy; the message names its log and quotes its end."""
+
+
+@dataclass
+class ServerProcess:
+    """A `vllm serve` started by `serving`."""
+
+    port: int
+    log: Path
+    left_behind: list[int] = field(default_factory=list)
+    """Pids still alive after the graceful stop (then killed); filled when `serving` exits."""
 
 
 def vllm_cli() -> str:
     """The `vllm` command of this interpreter's environment."""
     return str(Path(sys.executable).with_name("vllm"))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _healthy(port: int) -> bool:
@@ -34,35 +57,53 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float) -> None:
+def _log_tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-4000:] if log.is_file() else ""
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], server: ServerProcess, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while not _healthy(port):
+    while not _healthy(server.port):
         if proc.poll() is not None:
-            raise ServerError(f"vllm serve exited with status {proc.returncode} before it was ready: see {log}")
+            raise ServerError(
+                f"vllm serve exited with status {proc.returncode} before it was ready ({server.log}):\n"
+                f"{_log_tail(server.log)}"
+            )
         if time.monotonic() > deadline:
-            raise ServerError(f"vllm serve not healthy after {timeout_s:.0f} s: see {log}")
+            tail = _log_tail(server.log)
+            raise ServerError(f"vllm serve not healthy after {timeout_s:.0f} s ({server.log}):\n{tail}")
         time.sleep(0.5)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def _stop(proc: subprocess.Popen[bytes]) -> list[int]:
+    """SIGTERM the process group, wait, SIGKILL what is left; the pids that outlived the SIGTERM."""
+    try:
+        root = psutil.Process(proc.pid)
+        group = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        group = []
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=60)
+    _, alive = psutil.wait_procs(group, timeout=60)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left (engine core)
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left (the engine core)
+    for stray in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            stray.kill()
     proc.wait()
+    return [p.pid for p in alive]
 
 
 @contextlib.contextmanager
-def serving(artifact: Path, port: int, log: Path, timeout_s: float = 900) -> Iterator[None]:
-    """Serve ``artifact`` on 127.0.0.1:``port`` for the duration of the block; server output goes to ``log``."""
-    cmd = [vllm_cli(), "serve", str(artifact), "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--served-model-name", SERVED_NAME, "--seed", "0"]
+def serving(artifact: Path, log: Path, *flags: str, port: int = 0, timeout_s: float = 900) -> Iterator[ServerProcess]:
+    """Serve ``artifact`` on 127.0.0.1 (``port``, or a free one) with extra ``flags`` for the duration of
+    the block; server output goes to ``log``."""
+    server = ServerProcess(port or free_port(), log)
+    cmd = [vllm_cli(), "serve", str(artifact), "--host", "127.0.0.1", "--port", str(server.port), *flags]
     with log.open("wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_healthy(proc, port, log, timeout_s)
-        yield
+        _wait_healthy(proc, server, timeout_s)
+        yield server
     finally:
-        _stop(proc)
+        server.left_behind = _stop(proc)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +21,10 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
 BACKENDS = ("inductor", "eager", "xla", "neuron")
 DEVICES = ("cpu", "cuda", "neuron")
 CONFIG_FILE = "neuron_config.json"
+CHOICES: dict[str, tuple[str, ...]] = {"auto_cast_type": tuple(DTYPES), "backend": BACKENDS, "device": DEVICES}
+"""The allowed values of the fields that take a name (the CLI offers exactly these)."""
+FLAG_NAMES = {"tp_degree": "tensor_parallel_size"}
+"""Export flags named otherwise than their field (optimum-neuron's established flag names)."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +45,8 @@ class NeuronConfig:
     on_device_sampling: bool = True
     """Token generation samples inside the graph (returns token ids) instead of returning logits."""
     max_topk: int = 256
-    """Largest ``top_k`` the on-device sampler supports; bigger requests are capped to it."""
+    """Candidates every sampler keeps: the largest ``top_k`` a sampled request may ask for (a larger one is
+    refused), and the tokens drawn from when it sets none."""
     backend: str = "inductor"
     """Compile backend: ``inductor`` (AOTInductor packages), ``eager`` (reference), ``xla``, ``neuron``."""
     device: str = "cpu"
@@ -93,6 +102,31 @@ class NeuronConfig:
         return cls(**fields, extra=extra)
 
 
+def flag(name: str) -> str:
+    """The ``optimum-cli export neuron`` flag that sets field ``name`` (``--no_<name>`` turns a flag
+    that defaults to true off)."""
+    return f"--{FLAG_NAMES.get(name, name)}"
+
+
+def config_fields() -> list[dataclasses.Field]:
+    """The fields of `NeuronConfig` a user sets (every field but ``extra``), in declaration order."""
+    return [f for f in dataclasses.fields(NeuronConfig) if f.name != "extra"]
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Each field's docstring (the string right after it in the class body), whitespace folded: the
+    single source of the fields' documentation, the CLI's help included."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(NeuronConfig))).body[0]
+    assert isinstance(body, ast.ClassDef)
+    docs = {}
+    for node, after in zip(body.body, body.body[1:], strict=False):
+        text = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else None
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(text, str):
+            docs[node.target.id] = " ".join(text.split())
+    return docs
+
+
 def runtime_versions(backend: str | None = None) -> dict[str, str]:
     """Versions that must match between export and load (for ``backend="xla"``, torch-xla's too)."""
     versions = {"optimum-neuronx": __version__, "torch": torch.__version__.split("+")[0]}
@@ -120,7 +154,7 @@ def _fields_hash(fields: dict[str, Any]) -> str:
 def _positive(config: NeuronConfig, name: str) -> None:
     value = getattr(config, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise IncompatibleConfigError(f"{name} must be a positive integer, got {value!r}: pass --{name} N, N >= 1.")
+        raise IncompatibleConfigError(f"{name} must be a positive integer, got {value!r}: pass {flag(name)} N, N >= 1.")
 
 
 def _check_shapes(config: NeuronConfig) -> None:
@@ -128,8 +162,7 @@ def _check_shapes(config: NeuronConfig) -> None:
         _positive(config, name)
     if config.tp_degree != 1:
         raise IncompatibleConfigError(
-            f"tensor parallelism is not implemented (tp_degree={config.tp_degree}); "
-            "export with --tensor_parallel_size 1."
+            f"tensor parallelism is not implemented (tp_degree={config.tp_degree}); export with {flag('tp_degree')} 1."
         )
 
 
@@ -143,15 +176,13 @@ def _check_chunk(config: NeuronConfig) -> None:
 
 
 def _check_dtype_and_backend(config: NeuronConfig) -> None:
-    if config.auto_cast_type not in DTYPES:
-        raise IncompatibleConfigError(
-            f"auto_cast_type={config.auto_cast_type!r} is not one of {sorted(DTYPES)}: pass --auto_cast_type bf16, "
-            "fp16 or fp32."
-        )
-    if config.backend not in BACKENDS:
-        raise IncompatibleConfigError(f"backend={config.backend!r} is not one of {BACKENDS}: pass --backend inductor.")
-    if config.device not in DEVICES:
-        raise IncompatibleConfigError(f"device={config.device!r} is not one of {DEVICES}: pass --device cpu.")
+    for name, allowed in CHOICES.items():
+        value = getattr(config, name)
+        if value not in allowed:
+            raise IncompatibleConfigError(
+                f"{name}={value!r} is not one of {list(allowed)}: pass {flag(name)} {allowed[0]} "
+                f"(or {', '.join(allowed[1:])})."
+            )
     if config.backend == "xla" and config.device == "cuda":
         raise IncompatibleConfigError(
             "backend='xla' runs on --device cpu (XLA:CPU) or --device neuron (the Neuron PJRT device); for CUDA "

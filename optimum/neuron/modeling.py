@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from .artifact import Artifact
 from .errors import InputError
-from .runtime.artifacts import Artifact
 from .runtime.engine import Engine
 from .runtime.generate import generate_tokens
 from .runtime.sampling import SamplingParams

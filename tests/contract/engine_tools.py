@@ -1,16 +1,22 @@
-"""Helpers of the backend contract suite: fixture names, prompts, a graph-call recorder, decode loops."""
+"""Helpers of the engine-level tests: fixture names, loaded models, prompts, a graph-call recorder,
+prefill logits and greedy runs through the engine's sequence API."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Hashable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from optimum.neuron import NeuronModelForCausalLM
+from optimum.neuron.artifact import Artifact
 from optimum.neuron.graphs import GraphKind
-from optimum.neuron.runtime.artifacts import Artifact
 from optimum.neuron.runtime.engine import Engine
-from optimum.neuron.runtime.sampling import SamplingParams, SequenceSampler
+from optimum.neuron.runtime.generate import generate_tokens
+from optimum.neuron.runtime.sampling import SamplingParams
 from tests.fixtures.llm.models import export_fixture
 
 BACKENDS = [
@@ -20,6 +26,7 @@ BACKENDS = [
 ]
 """Every backend the contract covers; ``xla`` runs only where torch-xla is installed (.venv-xla)."""
 Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+GREEDY = SamplingParams()
 
 
 def fixture_name(family: str, backend: str, chunked: bool = True) -> str:
@@ -30,6 +37,18 @@ def fixture_name(family: str, backend: str, chunked: bool = True) -> str:
 def engine_for(backend: str, family: str = "llama", chunked: bool = True) -> Engine:
     """A fresh engine on the named fixture (batch 2, sequence length 32)."""
     return Engine(Artifact.open(export_fixture(fixture_name(family, backend, chunked))))
+
+
+@functools.cache
+def loaded(artifact: Path) -> NeuronModelForCausalLM:
+    """The artifact at ``artifact`` as `NeuronModelForCausalLM`, loaded once per test process: the one
+    loaded-model cache of the suite (tests that change an engine's state load their own)."""
+    return NeuronModelForCausalLM.from_pretrained(artifact)
+
+
+def neuron_model(name: str) -> NeuronModelForCausalLM:
+    """The named export fixture, loaded once per test process."""
+    return loaded(export_fixture(name))
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -69,25 +88,24 @@ class Recorder:
         return [next(a for a in args if isinstance(a, list)) for _, args in self.calls]
 
 
-def greedy(logits: torch.Tensor) -> int:
-    return int(torch.argmax(logits))
+def prefill_logits(engine: Engine, ids: list[int], seq_id: Hashable = "probe") -> torch.Tensor:
+    """The last-token logits ``[V]`` of ``ids`` prefilled whole in one step (the slot is given back)."""
+    engine.admit(seq_id, ids, GREEDY)
+    try:
+        return engine.step({seq_id: len(ids)}).logits[seq_id]
+    finally:
+        engine.release(seq_id)
 
 
-def decode_steps(engine: Engine, tokens: dict[int, list[int]], positions: dict[int, int], steps: int) -> None:
-    """``steps`` greedy decode steps of the slots in ``tokens`` (each list ends with the token to feed)."""
-    samplers = {slot: SequenceSampler(SamplingParams()) for slot in tokens}
+def alone(engine: Engine, ids: list[int], new: int) -> list[int]:
+    """``new`` greedy tokens of ``ids`` generated with no other live sequence."""
+    return generate_tokens(engine, [ids], new, GREEDY, set())[0]
+
+
+def decode(engine: Engine, seq_ids: list[Hashable], steps: int) -> None:
+    """``steps`` decode steps of the sequences ``seq_ids`` together."""
     for _ in range(steps):
-        active = {slot: (seq[-1], positions[slot] + len(seq) - 1) for slot, seq in tokens.items()}
-        for slot, token in engine.decode(active, samplers).items():
-            tokens[slot].append(token)
-
-
-def alone(engine: Engine, slot: int, ids: list[int], new: int) -> list[int]:
-    """``new`` greedy tokens of ``ids`` prefilled and decoded in ``slot`` with no other live slot."""
-    engine.reset_slot(slot)
-    tokens = {slot: [greedy(engine.prefill(ids, slot))]}
-    decode_steps(engine, tokens, {slot: len(ids)}, new - 1)
-    return tokens[slot]
+        engine.step(dict.fromkeys(seq_ids, 1))
 
 
 def slot_rows(engine: Engine, slot: int, last: int) -> list[torch.Tensor]:

@@ -6,7 +6,7 @@
   ``(slot, position)`` rows only; no graph holds a cache of its own.
 * 3 — one weight set: every graph computes with the engine's weight tensors themselves (an in-place
   change of a weight shows in every graph's output).
-* 4 — padded K/V rows of a short chunk equal the real last token's bitwise (`tests/models/test_kv_bitwise.py`).
+* 4 — padded K/V rows of a short chunk equal the real last token's bitwise (`tests/contract/kv_inspection.py`).
 * 9 — interleaving: slot 0 decodes while slot 1 is half-way through its chunked prefill; the token-
   generation steps never touch slot 1's prefilled rows, and both slots generate what they generate alone.
 * parity: greedy tokens equal transformers' for every family and SmolLM2, chunked prefill (C = 8,
@@ -26,41 +26,34 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from optimum.neuron import NeuronModelForCausalLM
 from optimum.neuron.graphs import GraphKind, example_inputs, graph_args
-from optimum.neuron.runtime.sampling import SamplingParams, SequenceSampler
 from tests.contract.engine_tools import (
     BACKENDS,
+    GREEDY,
     Recorder,
     alone,
-    decode_steps,
+    decode,
     engine_for,
     fixture_name,
     flat_tensors,
-    greedy,
+    loaded,
+    neuron_model,
+    prefill_logits,
     private_tensor_shapes,
     prompt,
     same,
     slot_rows,
 )
-from tests.export.test_artifacts import artifact_copy, edit_json, expect_artifact_error
+from tests.contract.kv_inspection import check_padded_chunk_writes, check_padded_columns
+from tests.fixtures.artifacts import artifact_copy, edit_json, expect_artifact_error
+from tests.fixtures.llm import smollm2 as smol
 from tests.fixtures.llm.models import FAMILIES, export_fixture, tiny_model
 from tests.fixtures.llm.reference import hf_greedy, reference_model
-from tests.models import test_kv_bitwise as kv_bitwise
 from tests.models.exports import CHUNK, SEQUENCE_LENGTH
 
 LENGTHS = [1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 2 * CHUNK + 1, 3 * CHUNK, 4 * CHUNK]
 NEW_TOKENS = 6
 LOGIT_TOLERANCE = 1e-4
-
-_models: dict[str, NeuronModelForCausalLM] = {}
-
-
-def neuron_model(name: str) -> NeuronModelForCausalLM:
-    """The named fixture, loaded once per test session."""
-    if name not in _models:
-        _models[name] = NeuronModelForCausalLM.from_pretrained(export_fixture(name))
-    return _models[name]
 
 
 def compiles(backend: str) -> int:
@@ -77,10 +70,13 @@ def test_graphs_are_called_with_their_static_shapes_only(backend: str) -> None:
     engine = engine_for(backend)
     recorder = Recorder(engine)
     before = compiles(backend)
-    for slot, length in enumerate((1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1)):
-        engine.prefill(prompt(length, slot), slot % 2)
-    for active in ({0: (5, 20)}, {1: (6, 21)}, {0: (7, 22), 1: (8, 23)}):
-        engine.decode(active, {s: SequenceSampler(SamplingParams()) for s in active})
+    for index, length in enumerate((1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1)):  # 1+1+1+2+3 chunk calls
+        engine.admit(index, prompt(length, index), GREEDY)
+        engine.step({index: length})
+        if index < 3:
+            engine.release(index)
+    for work in ({3: 1}, {4: 1}, {3: 1, 4: 1}):  # one token-generation call each
+        engine.step(work)
     for kind in (GraphKind.CHUNKED_PREFILL, GraphKind.TOKEN_GENERATION):
         example = graph_args(kind, example_inputs(engine.config, kind, engine.hf_config.vocab_size), engine.kv_cache)
         expected = {tuple((tuple(t.shape), t.dtype) for t in flat_tensors(example))}
@@ -97,8 +93,11 @@ def test_one_kv_cache_updated_in_place(backend: str) -> None:
     pointers = [t.data_ptr() for t in cache] if backend != "xla" else []  # XLA tensors have no host storage
     assert all(torch.count_nonzero(t.cpu()) == 0 for t in cache)
     length, steps = 2 * CHUNK + 3, 3
-    tokens = {1: [greedy(engine.prefill(prompt(length, 0), 1))]}
-    decode_steps(engine, tokens, {1: length}, steps)
+    engine.admit("hold", [3], GREEDY)  # slot 0, released before any graph runs: slot 0 is free below
+    assert engine.admit("seq", prompt(length, 0), GREEDY).slot == 1
+    engine.release("hold")
+    engine.step({"seq": length})
+    decode(engine, ["seq"], steps)
     assert engine.kv_cache is cache and [t.data_ptr() for t in cache if backend != "xla"] == pointers
     for received in recorder.caches():
         assert all(a is b for a, b in zip(received, cache, strict=True)), "a graph got other cache tensors"
@@ -117,39 +116,41 @@ def test_one_kv_cache_updated_in_place(backend: str) -> None:
 def test_one_weight_set_bound_to_every_graph(backend: str) -> None:
     engine = engine_for(backend)
     ids = prompt(CHUNK + 2, 3)
-    assert torch.count_nonzero(engine.prefill(ids, 0)) > 0
+    assert torch.count_nonzero(prefill_logits(engine, ids)) > 0
     assert engine.hf_config.tie_word_embeddings, "the check below needs the embedding to be the LM head too"
     engine.weights["model.embed_tokens.weight"].zero_()  # in place: every hidden state and logit becomes 0
-    assert torch.count_nonzero(engine.prefill(ids, 0)) == 0, "the prefill graph holds its own weights"
-    samplers = {s: SequenceSampler(SamplingParams()) for s in (0, 1)}
-    tokens = engine.decode({0: (ids[-1], len(ids)), 1: (ids[0], 0)}, samplers)
-    assert tokens == {0: 0, 1: 0}, "the token-generation graph holds its own weights (all-zero logits pick id 0)"
+    assert torch.count_nonzero(prefill_logits(engine, ids)) == 0, "the prefill graph holds its own weights"
+    for seq_id, length in (("a", len(ids)), ("b", 1)):
+        engine.admit(seq_id, ids[:length], GREEDY)
+        engine.step({seq_id: length})
+    tokens = engine.step({"a": 1, "b": 1}).tokens
+    assert tokens == {"a": 0, "b": 0}, "the token-generation graph holds its own weights (all-zero logits pick id 0)"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_while_another_slot_is_half_prefilled(backend: str) -> None:
     engine = engine_for(backend)
     short, long = prompt(5, 1), prompt(2 * CHUNK + 5, 2)
-    new, early = 7, 4  # slot 0 decodes `early` steps while slot 1 is half-way through its prefill
-    expected = {0: alone(engine, 0, short, new + early), 1: alone(engine, 1, long, new)}
+    new, early = 7, 5  # "a" decodes `early` steps while "b" is half-way through its prefill
+    expected = {"a": alone(engine, short, new + early), "b": alone(engine, long, new)}
     assert len(long) + new <= SEQUENCE_LENGTH
     for tensor in engine.kv_cache:  # stale rows of the runs above must not matter
         tensor.copy_(torch.randn(tensor.shape, dtype=tensor.dtype).to(tensor.device))
-    engine.reset_slot(0)
-    engine.reset_slot(1)
-    tokens = {0: [greedy(engine.prefill(short, 0))]}
-    for start in (0, CHUNK):  # slot 1's first two chunks, each followed by decode steps of slot 0
-        live0 = slot_rows(engine, 0, len(short) + len(tokens[0]) - 1)
-        engine.prefill_chunk(long[start : start + CHUNK], list(range(start, start + CHUNK)), 1)
-        assert same(slot_rows(engine, 0, live0[0].shape[1]), live0), "slot 1's prefill overwrote slot 0's rows"
-        prefilled = slot_rows(engine, 1, start + CHUNK)
-        decode_steps(engine, tokens, {0: len(short)}, early // 2)
-        assert same(slot_rows(engine, 1, start + CHUNK), prefilled), "a decode step overwrote slot 1's prefill"
-    rest = long[2 * CHUNK :]
-    tokens[1] = [greedy(engine.prefill_chunk(rest, list(range(2 * CHUNK, len(long))), 1))]
-    decode_steps(engine, tokens, {0: len(short), 1: len(long)}, new - 1)
-    assert tokens[0] == expected[0], "slot 0 generated other tokens than alone"
-    assert tokens[1] == expected[1], "slot 1 generated other tokens than alone"
+    a = engine.admit("a", short, GREEDY)
+    engine.step({"a": len(short)})
+    b = engine.admit("b", long, GREEDY)
+    assert (a.slot, b.slot) == (0, 1)
+    for together in (False, True):  # b's first two chunks: alone in a step, then beside a decode of a
+        live_a = slot_rows(engine, 0, a.computed)
+        engine.step({"b": CHUNK, "a": 1} if together else {"b": CHUNK})
+        assert same(slot_rows(engine, 0, live_a[0].shape[1]), live_a), "b's prefill overwrote a's rows"
+        prefilled = slot_rows(engine, 1, b.computed)
+        decode(engine, ["a"], 2)
+        assert same(slot_rows(engine, 1, b.computed), prefilled), "a decode step overwrote b's prefill"
+    engine.step({"b": b.pending})
+    decode(engine, ["a", "b"], new - 1)
+    assert a.generated == expected["a"], "a generated other tokens than alone"
+    assert b.generated == expected["b"], "b generated other tokens than alone"
 
 
 @pytest.mark.slow
@@ -177,7 +178,7 @@ def test_prefill_logits_match(family: str, backend: str) -> None:
         ids = prompt(length, length)
         with torch.no_grad():
             expected = ref(torch.tensor([ids])).logits[0, -1]
-        got_chunked, got_ce = chunked.prefill(ids, 1), ce.prefill(ids, 1)
+        got_chunked, got_ce = prefill_logits(chunked, ids), prefill_logits(ce, ids)
         assert torch.allclose(got_chunked, expected, atol=LOGIT_TOLERANCE), (got_chunked - expected).abs().max()
         assert torch.allclose(got_ce, expected, atol=LOGIT_TOLERANCE), (got_ce - expected).abs().max()
 
@@ -199,8 +200,8 @@ def test_seeded_sampling(mode: str, backend: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_padded_kv_rows_are_bitwise_the_last_real_token(backend: str) -> None:
-    kv_bitwise.test_padded_columns_compute_the_last_real_kv(backend, "fp32")
-    kv_bitwise.test_padded_chunk_writes_what_an_unpadded_chunk_writes(backend, "fp32")
+    check_padded_columns(backend, "fp32")
+    check_padded_chunk_writes(backend, "fp32")
 
 
 _CHILD = """
@@ -248,27 +249,16 @@ def test_broken_artifact_is_a_typed_error(tmp_path: Path, backend: str, damage: 
         expect_artifact_error(root, "exported with", "2.0.0")
 
 
-def _smollm2_engine_name(backend: str) -> str:
-    return f"smollm2-1x4x128-{backend}"
-
-
 @pytest.mark.slow
+@pytest.mark.xdist_group(smol.XDIST_GROUP)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_smollm2_greedy_matches_transformers(backend: str) -> None:
-    from optimum.exporters.neuron.cache import cache_root
-    from optimum.exporters.neuron.export import export
-    from optimum.neuron import NeuronConfig
-    from tests.models import test_smollm2 as smol
-
-    config = NeuronConfig(
-        batch_size=1, sequence_length=smol.SEQUENCE_LENGTH, prefill_chunk_size=smol.CHUNK, backend=backend
-    )
-    name = _smollm2_engine_name(backend)
-    model = NeuronModelForCausalLM.from_pretrained(export(smol.smollm2_dir(), cache_root() / "fixtures" / name, config))
+    name = smol.CHUNKED.format(backend=backend)
+    model = loaded(smol.smollm2_artifact(name))
     ids = smol.long_chat_ids()
     ours = model.generate(ids, max_new_tokens=smol.NEW_TOKENS, eos_token_id=[])[0, ids.shape[1] :].tolist()
     assert ours == smol.hf_greedy(ids), f"{name}: {smol.tokenizer().decode(ours)!r}"
     with torch.no_grad():
         expected = smol.reference()(ids).logits[0, -1]
-    diff = (model.engine.prefill(ids[0].tolist(), 0) - expected).abs().max().item()
+    diff = (prefill_logits(model.engine, ids[0].tolist()) - expected).abs().max().item()
     assert diff <= smol.LOGIT_TOLERANCE, f"{name}: max |logit diff| {diff:.2e}"

@@ -8,9 +8,7 @@ crash of the native loader fails the test instead of killing pytest.
 from __future__ import annotations
 
 import json
-import shutil
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,53 +16,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from optimum.neuron import NeuronModelForCausalLM
-from optimum.neuron.errors import ArtifactError, IncompatibleConfigError, InputError
-from optimum.neuron.runtime.artifacts import sha256_of
+from optimum.neuron.errors import InputError, SlotError
+from tests.contract.engine_tools import GREEDY
+from tests.fixtures.artifacts import artifact_copy, edit_json, expect_artifact_error, load, rehash_manifest
 from tests.fixtures.llm.models import export_fixture
 from tests.utils import subprocess_test
 
 EAGER = "llama-2x4x8-eager"
 INDUCTOR = "llama-2x4x8-inductor"
 CP_GRAPH, TG_GRAPH = "graphs/chunked_prefill", "graphs/token_generation"
-
-
-def artifact_copy(name: str, tmp_path: Path) -> Path:
-    """A private copy (real files, no links) of fixture ``name`` that a test may corrupt."""
-    target = tmp_path / name
-    shutil.copytree(export_fixture(name), target)
-    return target
-
-
-def load(path: Path) -> NeuronModelForCausalLM:
-    """Load an artifact and run one short generation (a loaded graph must also be callable)."""
-    model = NeuronModelForCausalLM.from_pretrained(path)
-    model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, eos_token_id=[])
-    return model
-
-
-def edit_json(path: Path, change: Callable[[dict], object]) -> None:
-    """Apply ``change`` to the JSON object stored at ``path``."""
-    body = json.loads(path.read_text())
-    change(body)
-    path.write_text(json.dumps(body))
-
-
-def rehash_manifest(root: Path) -> None:
-    """Record the current graph files' hashes, so that only the backend's own checks can object."""
-    edit_json(
-        root / "graphs/manifest.json",
-        lambda m: [e.update(sha256=sha256_of(root / e["file"])) for e in m["graphs"].values()],
-    )
-
-
-def expect_artifact_error(path: Path, *fragments: str) -> None:
-    """Loading ``path`` raises `ArtifactError` whose message holds ``fragments`` and a fix."""
-    with pytest.raises(ArtifactError) as info:
-        load(path)
-    message = str(info.value)
-    assert "re-export" in message or "export one" in message.lower(), message
-    for fragment in fragments:
-        assert fragment in message, message
 
 
 def test_intact_copy_loads(tmp_path: Path) -> None:
@@ -264,21 +224,48 @@ def test_models_still_usable_after_errors(eager_model: NeuronModelForCausalLM) -
     assert out.shape == (2, 8)
 
 
-def test_chunk_call_on_a_context_encoding_artifact() -> None:
+def test_partial_prefill_on_a_context_encoding_artifact() -> None:
     engine = NeuronModelForCausalLM.from_pretrained(export_fixture("llama-2x1x32-ce-eager")).engine
-    with pytest.raises(IncompatibleConfigError, match="--prefill_chunk_size"):
-        engine.prefill_chunk([5, 6, 7], [0, 1, 2], 0)
-    with pytest.raises(InputError, match="from position 0"):
-        engine.prefill([5, 6], 0, start=4)
+    engine.admit("a", [5, 6, 7, 8], GREEDY)
+    with pytest.raises(InputError, match="--prefill_chunk_size"):
+        engine.step({"a": 3})
+    assert engine.step({"a": 4}).tokens.keys() == {"a"}, "the whole prompt still prefills after the refusal"
 
 
-def test_bad_chunk_calls(eager_model: NeuronModelForCausalLM) -> None:
+def test_bad_engine_calls_are_refused_and_leak_nothing(eager_model: NeuronModelForCausalLM) -> None:
     engine = eager_model.engine
-    with pytest.raises(InputError, match="consecutive"):
-        engine.prefill_chunk([5, 6, 7], [0, 2, 3], 0)
-    with pytest.raises(InputError, match="1 to 8 tokens"):
-        engine.prefill_chunk(list(range(3, 12)), list(range(9)), 0)
+    with pytest.raises(InputError, match="vocabulary"):
+        engine.admit("a", [5, 300], GREEDY)
     with pytest.raises(InputError, match="--sequence_length"):
-        engine.prefill_chunk([5, 6, 7, 8], [30, 31, 32, 33], 0)
-    with pytest.raises(InputError, match="not a KV slot"):
-        engine.prefill_chunk([5], [0], 2)
+        engine.admit("a", list(range(3, 36)), GREEDY)
+    with pytest.raises(InputError, match="no sequence 'x'"):
+        engine.step({"x": 1})
+    engine.admit("a", [5, 6, 7], GREEDY)
+    try:
+        with pytest.raises(InputError, match="already admitted"):
+            engine.admit("a", [5], GREEDY)
+        with pytest.raises(InputError, match="3 pending tokens; 4 were scheduled"):
+            engine.step({"a": 4})
+        engine.admit("b", [5], GREEDY)
+        with pytest.raises(SlotError, match="--batch_size"):
+            engine.admit("c", [5], GREEDY)
+        engine.preempt("b")
+        with pytest.raises(InputError, match="resume"):
+            engine.step({"b": 1})
+        assert engine.step({"a": 3}).tokens.keys() == {"a"}, "the engine still works after the refusals"
+    finally:
+        engine.release("a")
+        engine.release("b")
+    assert engine.slots.free_count == 2
+
+
+def test_full_sequence_is_refused(eager_model: NeuronModelForCausalLM) -> None:
+    engine = eager_model.engine
+    sequence = engine.admit("a", list(range(3, 35)), GREEDY)  # 32 tokens: the slot is full after prefill
+    try:
+        engine.step({"a": 32})
+        assert sequence.full
+        with pytest.raises(InputError, match="full"):
+            engine.step({"a": 1})
+    finally:
+        engine.release("a")

@@ -7,76 +7,24 @@ and a one-line message that says how to fix them.
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
+import dataclasses
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from optimum.exporters.neuron.__main__ import add_export_arguments
 from optimum.exporters.neuron.cache import cache_root
 from optimum.exporters.neuron.export import export
 from optimum.neuron import NeuronConfig, NeuronModelForCausalLM
+from optimum.neuron.config import CHOICES, config_fields, field_docs, flag
+from tests.fixtures.cli import assert_refused, check_round_trip, export_llama, run_cli
 from tests.fixtures.llm.models import tiny_model
-from tests.fixtures.llm.reference import hf_greedy as reference_greedy
-
-OPTIMUM_CLI = str(Path(sys.executable).parent / "optimum-cli")
-SMALL = ["--batch_size", "2", "--sequence_length", "32", "--prefill_chunk_size", "8"]
-LENGTHS = [1, 7, 8, 9, 16, 17, 24]
-GRAPH_FILES = {"inductor": (".pt2",), "eager": (".json",), "xla": (".xla.json", ".hlo.pb", ".constants.safetensors")}
-"""Per backend, the files each graph of an artifact has under ``graphs/``."""
-HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
-NEW_TOKENS = 6
-
-
-def run_cli(entry: str, *args: str) -> subprocess.CompletedProcess:
-    """Run one export CLI (``optimum-cli`` or ``python -m``) with ``args``; never raises on failure."""
-    if entry == "optimum-cli":
-        cmd = [OPTIMUM_CLI, "export", "neuron", *args]
-    else:
-        cmd = [sys.executable, "-m", "optimum.exporters.neuron", *args]
-    env = {**os.environ, "COLUMNS": "500"}  # rich must not wrap the messages the tests read
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
-
-
-def export_llama(entry: str, out: Path, *flags: str) -> subprocess.CompletedProcess:
-    """Export the tiny llama with the small config and ``flags``; asserts success."""
-    done = run_cli(entry, "--model", str(tiny_model("llama")), *SMALL, *flags, str(out))
-    assert done.returncode == 0, f"{entry} failed:\n{done.stdout}\n{done.stderr}"
-    assert f"exported to {out}" in done.stdout
-    return done
-
-
-def hf_greedy(ids: torch.Tensor) -> list[int]:
-    """Greedy new tokens of transformers' ``generate`` on the tiny llama (no EOS stop)."""
-    return reference_greedy(tiny_model("llama"), ids[0].tolist(), NEW_TOKENS)
-
-
-def check_round_trip(out: Path, backend: str) -> None:
-    """The artifact at ``out`` has the expected layout and generates transformers' greedy tokens."""
-    body = json.loads((out / "neuron_config.json").read_text())
-    assert (body["backend"], body["batch_size"], body["prefill_chunk_size"]) == (backend, 2, 8)
-    kinds = ("chunked_prefill", "token_generation")
-    expected = {f"{kind}{suffix}" for kind in kinds for suffix in GRAPH_FILES[backend]} | {"manifest.json"}
-    assert {p.name for p in (out / "graphs").iterdir()} == expected
-    model = NeuronModelForCausalLM.from_pretrained(out)
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 256, (1, length), generator=generator) for length in LENGTHS]
-    for ids in prompts:
-        ours = model.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])[0, ids.shape[1] :].tolist()
-        assert ours == hf_greedy(ids), f"{backend}: prompt length {ids.shape[1]}"
-    short, long = prompts[1][0], prompts[5][0]
-    batch = torch.zeros(2, long.shape[0], dtype=torch.long)
-    mask = torch.zeros_like(batch)
-    batch[0, -short.shape[0] :], mask[0, -short.shape[0] :] = short, 1
-    batch[1], mask[1] = long, 1
-    together = model.generate(batch, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=[])
-    assert together[0, long.shape[0] :].tolist() == hf_greedy(short[None])
-    assert together[1, long.shape[0] :].tolist() == hf_greedy(long[None])
+from tests.utils import HAS_TORCH_XLA
 
 
 def test_optimum_cli_eager_round_trip(tmp_path: Path) -> None:
@@ -138,7 +86,7 @@ BAD_INPUTS = [
     ("optimum-cli", ["--tensor_parallel_size", "2"], ["tensor parallelism", "--tensor_parallel_size 1"]),
     ("python -m", ["--prefill_chunk_size", "64"], ["prefill_chunk_size=64", "--prefill_chunk_size"]),
     ("optimum-cli", ["--prefill_chunk_size", "-8"], ["prefill_chunk_size=-8", "--prefill_chunk_size"]),
-    ("python -m", ["--backend", "neuron"], ["torch_neuronx", "--backend inductor"]),
+    ("python -m", ["--backend", "neuron"], ["cannot run on device='cpu'", "--backend neuron needs --device neuron"]),
     ("optimum-cli", ["--backend", "neuron", "--device", "neuron"], ["torch_neuronx", "--backend inductor"]),
     ("python -m", ["--device", "cuda"], ["no CUDA device", "--device cpu"]),
     ("python -m", ["--backend", "xla", "--device", "neuron"], ["torch-neuronx", "no Neuron device", "not verified"]),
@@ -179,10 +127,24 @@ def test_missing_model_flag_is_a_usage_error(tmp_path: Path) -> None:
     assert "--model" in done.stderr
 
 
-def assert_refused(done: subprocess.CompletedProcess, fragments: list[str]) -> None:
-    """The CLI exited with status 2 and a plain ``error:`` line holding ``fragments``, no traceback."""
-    assert done.returncode == 2, f"status {done.returncode}:\n{done.stdout}\n{done.stderr}"
-    assert "Traceback" not in done.stderr, done.stderr
-    assert "error: " in done.stderr, done.stderr
-    for fragment in fragments:
-        assert fragment in done.stderr, done.stderr
+def test_flags_are_made_from_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_export_arguments(parser)
+    args = parser.parse_args(["--model", "m", "out"])
+    assert NeuronConfig(**{f.name: getattr(args, f.name) for f in config_fields()}) == NeuronConfig()
+    actions = {a.dest: a for a in parser._actions}
+    docs = field_docs()
+    for spec in config_fields():
+        action = actions[spec.name]
+        assert docs[spec.name][:40] in " ".join((action.help or "").split()), spec.name
+        assert tuple(action.choices or ()) == CHOICES.get(spec.name, ()), spec.name
+        switch = f"--no_{spec.name}" if spec.default is True else flag(spec.name)
+        assert action.option_strings == [switch], spec.name
+    assert actions["tp_degree"].option_strings == ["--tensor_parallel_size"]
+    off = parser.parse_args(["--model", "m", "--no_on_device_sampling", "--auto_cast_type", "bf16", "out"])
+    assert (off.on_device_sampling, off.auto_cast_type) == (False, "bf16")
+
+
+def test_every_config_field_has_a_docstring() -> None:
+    assert set(field_docs()) == {f.name for f in dataclasses.fields(NeuronConfig)}
+    assert all(len(doc) > 20 for doc in field_docs().values())

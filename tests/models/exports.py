@@ -1,14 +1,14 @@
 """Export fixtures of the tiny models in any dtype, named like `tests.fixtures.llm.models`' fp32 ones.
 
 ``dtype_fixture("llama", "inductor", "bf16")`` is ``llama-2x4x8-inductor`` exported with
-``auto_cast_type=bf16`` (cached on disk under ``fixtures/<name>-bf16``); fp32 returns the named fixture.
+``auto_cast_type=bf16`` (an export cache entry); fp32 returns the named fixture.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.fixtures.llm.models import ExportFixture, cache_dir, export_fixture, tiny_model
+from tests.fixtures.llm.models import ExportFixture, export_fixture, tiny_model
 
 CHUNK = 8
 """Chunk size of the chunked fixtures (sequence length 4 * CHUNK)."""
@@ -24,10 +24,9 @@ def fixture_of(family: str, backend: str, chunked: bool = True) -> ExportFixture
 
 def dtype_fixture(family: str, backend: str, dtype: str, chunked: bool = True) -> Path:
     """The artifact directory of ``fixture_of(family, backend, chunked)`` exported in ``dtype``."""
-    from optimum.exporters.neuron.export import export
+    from optimum.exporters.neuron.export import cached_export
 
     fixture = fixture_of(family, backend, chunked)
     if dtype == "fp32":
         return export_fixture(fixture.name)
-    config = fixture.neuron_config().derive(auto_cast_type=dtype)
-    return export(tiny_model(family), cache_dir() / "fixtures" / f"{fixture.name}-{dtype}", config)
+    return cached_export(tiny_model(family), fixture.neuron_config().derive(auto_cast_type=dtype))

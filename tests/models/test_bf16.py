@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from optimum.neuron import NeuronModelForCausalLM
+from tests.contract.engine_tools import loaded, prefill_logits
 from tests.fixtures.llm.models import FAMILIES, tiny_model
 from tests.models.exports import CHUNK, dtype_fixture
 
@@ -33,16 +34,12 @@ EAGER_TOLERANCE = 1 / 64
 HF_TOLERANCE = 0.25
 MODES = [(family, "chunked") for family in FAMILIES] + [("llama", "ce")]
 
-_models: dict[tuple[str, str, str], NeuronModelForCausalLM] = {}
 _references: dict[str, torch.nn.Module] = {}
 
 
 def neuron_model(family: str, backend: str, mode: str = "chunked") -> NeuronModelForCausalLM:
     """The bf16 export of ``family`` (chunk 8 or context encoding, sequence length 32), loaded once."""
-    key = (family, backend, mode)
-    if key not in _models:
-        _models[key] = NeuronModelForCausalLM.from_pretrained(dtype_fixture(family, backend, "bf16", mode == "chunked"))
-    return _models[key]
+    return loaded(dtype_fixture(family, backend, "bf16", mode == "chunked"))
 
 
 def reference(family: str) -> torch.nn.Module:
@@ -66,7 +63,7 @@ def test_bf16_inductor_matches_eager(family: str) -> None:
     eager, inductor = neuron_model(family, "eager"), neuron_model(family, "inductor")
     for length in LENGTHS:
         ids = prompt(length)
-        want, got = eager.engine.prefill(ids[0].tolist(), 1), inductor.engine.prefill(ids[0].tolist(), 1)
+        want, got = prefill_logits(eager.engine, ids[0].tolist()), prefill_logits(inductor.engine, ids[0].tolist())
         assert got.dtype == want.dtype == torch.float32
         diff = float((got - want).abs().max())
         assert diff <= EAGER_TOLERANCE, f"{family} length {length}: inductor logits {diff} from eager's"
@@ -82,7 +79,7 @@ def test_bf16_greedy_matches_transformers(family: str, mode: str, backend: str) 
         ids = prompt(length)
         with torch.no_grad():
             expected = ref(ids).logits[0, -1].float()
-        diff = float((model.engine.prefill(ids[0].tolist(), 1) - expected).abs().max())
+        diff = float((prefill_logits(model.engine, ids[0].tolist()) - expected).abs().max())
         assert diff <= HF_TOLERANCE, f"{family} {mode} {backend} length {length}: logits {diff} from transformers'"
         gaps = argmax_gaps(ref, ids, greedy(model, ids))
         assert max(gaps) <= HF_TOLERANCE, f"{family} {mode} {backend} length {length}: gaps to argmax {gaps}"

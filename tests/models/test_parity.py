@@ -10,20 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimum.neuron import NeuronModelForCausalLM
-from tests.fixtures.llm.models import export_fixture
+from tests.contract.engine_tools import neuron_model
+from tests.models.exports import CHUNK
 
-CHUNK = 8
-SEQUENCE_LENGTH = 4 * CHUNK
 NEW_TOKENS = 6
-
-_models: dict[str, NeuronModelForCausalLM] = {}
-
-
-def neuron_model(name: str) -> NeuronModelForCausalLM:
-    if name not in _models:
-        _models[name] = NeuronModelForCausalLM.from_pretrained(export_fixture(name))
-    return _models[name]
 
 
 def prompt(length: int, seed: int = 0) -> torch.Tensor:

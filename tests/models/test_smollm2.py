@@ -1,14 +1,14 @@
 """The real model: SmolLM2-135M-Instruct (fp32), converted from the bundled GGUF (DESIGN.md §6).
 
-Chunked prefill (C = 128, S = 512) on the inductor and eager backends and context encoding (S = 512,
-inductor) must give transformers' greedy tokens for a ChatML prompt longer than two chunks, and the
-last-token prefill logits within `LOGIT_TOLERANCE` of transformers'. The conversion itself is strict
-and reproducible, and the model answers "What is the capital of France?" with Paris.
+Chunked prefill on every backend is part of the backend contract (`tests/contract`). Here: context
+encoding (S = 512, inductor) gives transformers' greedy tokens for a ChatML prompt longer than a chunk;
+the last-token prefill logits of both prefill modes are within `LOGIT_TOLERANCE` of transformers' for a
+long and a short prompt, and of each other; the conversion is strict and reproducible; and the model
+answers "What is the capital of France?" with Paris.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import json
@@ -19,102 +19,28 @@ import pytest
 import torch
 
 from optimum.neuron.errors import WeightLoadingError
-from optimum.neuron.smollm2 import (
-    MARKER_FILE,
-    SmolLM2UnavailableError,
-    convert_smollm2,
-    default_smollm2_dir,
-    rebuild_llama,
+from optimum.neuron.smollm2 import MARKER_FILE, SmolLM2UnavailableError, convert_smollm2, rebuild_llama
+from tests.contract.engine_tools import loaded, prefill_logits
+from tests.fixtures.llm.smollm2 import (
+    CHUNKED,
+    CONTEXT_ENCODING,
+    LOGIT_TOLERANCE,
+    NEW_TOKENS,
+    XDIST_GROUP,
+    chat_ids,
+    hf_greedy,
+    long_chat_ids,
+    reference,
+    smollm2_artifact,
+    smollm2_dir,
+    tokenizer,
 )
 
-SEQUENCE_LENGTH = 512
-CHUNK = 128
-NEW_TOKENS = 32
-LOGIT_TOLERANCE = 5e-4
-"""Max abs difference of fp32 last-token logits from transformers' (and between chunked prefill and context
-encoding). Measured: 4.6e-5 (291-token chat prompt) and 7.8e-5 (37 tokens) on inductor and eager, for logits of
-magnitude up to ~32 after 30 layers. The bound leaves ~6x for other reduction orders (thread counts, kernels)
-and is the brief's fp32 target (1e-3) halved."""
-
-_ARTIFACTS = {  # fixture name (<family>-<batch>x<num_chunks>x<chunk>) -> (prefill_chunk_size, backend)
-    "smollm2-1x4x128-inductor": (CHUNK, "inductor"),
-    "smollm2-1x4x128-eager": (CHUNK, "eager"),
-    "smollm2-1x1x512-ce-inductor": (0, "inductor"),
-}
-_CONTEXT = (
-    "The water cycle describes how water moves between the oceans, the air and the land. Heat from the sun "
-    "evaporates water from seas, lakes and rivers, and plants release water vapour through their leaves. The warm, "
-    "moist air rises and cools, and the vapour condenses into tiny droplets that form clouds. When the droplets "
-    "merge and grow heavy, they fall back to the ground as rain, snow, sleet or hail. Some of this water soaks into "
-    "the soil and refills underground aquifers, some flows over the surface into streams and rivers, and some is "
-    "stored for a long time in glaciers and ice caps. Rivers carry the water back to the sea, where the cycle starts "
-    "again. The cycle moves heat around the planet, shapes the weather and the climate, carves valleys and "
-    "canyons, and supplies the fresh water that people, animals and plants need to live. Farmers depend on "
-    "regular rainfall to grow crops, and cities build reservoirs to store water for dry seasons. Changes in "
-    "temperature can speed the cycle up or slow it down: warmer air holds more moisture, which can lead to heavier "
-    "storms in some regions and longer droughts in others. Scientists measure rainfall, river flow, soil moisture "
-    "and the thickness of ice sheets to understand how the cycle is changing and to help communities prepare for "
-    "floods and water shortages."
-)
+pytestmark = pytest.mark.xdist_group(XDIST_GROUP)
 
 
-@functools.cache
-def smollm2_dir() -> Path:
-    """The converted fp32 checkpoint (cached on disk under $OPTIMUM_NEURON_CACHE)."""
-    return convert_smollm2(default_smollm2_dir("fp32"), dtype="fp32")
-
-
-def smollm2_artifact(name: str) -> Path:
-    """The directory of the named SmolLM2 artifact, exported once (export cache)."""
-    from optimum.exporters.neuron.cache import cache_root
-    from optimum.exporters.neuron.export import export
-    from optimum.neuron import NeuronConfig
-
-    chunk, backend = _ARTIFACTS[name]
-    config = NeuronConfig(batch_size=1, sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=chunk, backend=backend)
-    return export(smollm2_dir(), cache_root() / "fixtures" / name, config)
-
-
-@functools.cache
-def neuron_model(name: str):
-    """The named SmolLM2 artifact, loaded once per test session."""
-    from optimum.neuron import NeuronModelForCausalLM
-
-    return NeuronModelForCausalLM.from_pretrained(smollm2_artifact(name))
-
-
-@functools.cache
-def reference():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
-
-
-@functools.cache
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2_dir())
-
-
-def chat_ids(question: str, system: str | None = None) -> torch.Tensor:
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    encoded = tokenizer().apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
-    return encoded["input_ids"]
-
-
-def long_chat_ids() -> torch.Tensor:
-    """A system + user ChatML prompt longer than two chunks (and not a multiple of the chunk size)."""
-    ids = chat_ids("Summarize the text above in two sentences.", system=f"Read this text.\n\n{_CONTEXT}")
-    assert 2 * CHUNK < ids.shape[1] <= SEQUENCE_LENGTH - NEW_TOKENS and ids.shape[1] % CHUNK, ids.shape
-    return ids
-
-
-def hf_greedy(ids: torch.Tensor) -> list[int]:
-    out = reference().generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[], pad_token_id=2)
-    return out[0, ids.shape[1] :].tolist()
+def neuron_model(name: str) -> Any:
+    return loaded(smollm2_artifact(name))
 
 
 def sha256(path: Path) -> str:
@@ -122,23 +48,23 @@ def sha256(path: Path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(_ARTIFACTS))
-def test_long_chat_greedy_matches_transformers(name: str) -> None:
+def test_context_encoding_long_chat_matches_transformers() -> None:
     ids = long_chat_ids()
-    ours = neuron_model(name).generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])[0, ids.shape[1] :].tolist()
+    ours = neuron_model(CONTEXT_ENCODING).generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    ours = ours[0, ids.shape[1] :].tolist()
     expected = hf_greedy(ids)
     assert len(ours) == NEW_TOKENS
-    assert ours == expected, f"{name}:\nours: {tokenizer().decode(ours)!r}\nhf:   {tokenizer().decode(expected)!r}"
+    assert ours == expected, f"ours: {tokenizer().decode(ours)!r}\nhf:   {tokenizer().decode(expected)!r}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(_ARTIFACTS))
+@pytest.mark.parametrize("name", [CHUNKED.format(backend="inductor"), CONTEXT_ENCODING])
 def test_prefill_logits_match_transformers(name: str) -> None:
     engine = neuron_model(name).engine
-    for ids in (long_chat_ids(), chat_ids("What is the capital of France?")):
+    for ids in (long_chat_ids(), chat_ids("What is the capital of France?")):  # several chunks; part of one
         with torch.no_grad():
             expected = reference()(ids).logits[0, -1]
-        got = engine.prefill(ids[0].tolist(), 0)
+        got = prefill_logits(engine, ids[0].tolist())
         assert got.shape == expected.shape
         diff = (got - expected).abs().max().item()
         assert diff <= LOGIT_TOLERANCE, f"{name}: prompt of {ids.shape[1]} tokens, max |logit diff| {diff:.2e}"
@@ -147,9 +73,9 @@ def test_prefill_logits_match_transformers(name: str) -> None:
 @pytest.mark.slow
 def test_chunked_prefill_equals_context_encoding() -> None:
     ids = long_chat_ids()[0].tolist()
-    chunked = neuron_model("smollm2-1x4x128-inductor")
-    ce = neuron_model("smollm2-1x1x512-ce-inductor")
-    diff = (chunked.engine.prefill(ids, 0) - ce.engine.prefill(ids, 0)).abs().max().item()
+    chunked = neuron_model(CHUNKED.format(backend="inductor"))
+    ce = neuron_model(CONTEXT_ENCODING)
+    diff = (prefill_logits(chunked.engine, ids) - prefill_logits(ce.engine, ids)).abs().max().item()
     assert diff <= LOGIT_TOLERANCE, f"chunked vs context encoding: max |logit diff| {diff:.2e}"
     prompt = torch.tensor([ids])
     assert torch.equal(
@@ -159,10 +85,9 @@ def test_chunked_prefill_equals_context_encoding() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["smollm2-1x4x128-inductor", "smollm2-1x4x128-eager"])
-def test_capital_of_france(name: str) -> None:
+def test_capital_of_france() -> None:
     ids = chat_ids("What is the capital of France?")
-    out = neuron_model(name).generate(ids, max_new_tokens=NEW_TOKENS)  # stops at <|im_end|>
+    out = neuron_model(CHUNKED.format(backend="inductor")).generate(ids, max_new_tokens=NEW_TOKENS)  # stops at EOS
     answer = tokenizer().decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
     assert out[0, -1].item() == tokenizer().eos_token_id, "the answer did not end its turn"

@@ -60,9 +60,18 @@ def test_greedy_resolution(params: SamplingParams, greedy: bool) -> None:
     assert (params.resolve(64) == (1.0, 1, 1.0)) is greedy
 
 
-@pytest.mark.parametrize(("top_k", "expected"), [(0, 64), (-1, 64), (10, 10), (64, 64), (500, 64)])
-def test_top_k_capped_at_max_topk(top_k: int, expected: int) -> None:
+@pytest.mark.parametrize(("top_k", "expected"), [(0, 64), (-1, 64), (10, 10), (64, 64)])
+def test_top_k_up_to_max_topk(top_k: int, expected: int) -> None:
     assert SamplingParams(do_sample=True, top_k=top_k, temperature=0.5, top_p=0.9).resolve(64) == (0.5, expected, 0.9)
+
+
+def test_top_k_above_max_topk_is_refused_naming_the_flag() -> None:
+    params = SamplingParams(do_sample=True, top_k=65, temperature=0.5)
+    for call in (params.check, params.resolve):
+        with pytest.raises(InputError, match="--max_topk 65") as info:
+            call(64)
+        assert "max_topk=64" in str(info.value)
+    SamplingParams(top_k=500).check(64)  # greedy: top_k is never used, so it is not refused
 
 
 @pytest.mark.parametrize("uniform", [0.0, 0.3, 0.999])
@@ -142,7 +151,7 @@ def test_unseeded_samplers_differ() -> None:
 
 
 def test_sampling_tensors_rows() -> None:
-    sampler = SequenceSampler(SamplingParams(do_sample=True, temperature=0.8, top_k=500, top_p=0.9, seed=3))
+    sampler = SequenceSampler(SamplingParams(do_sample=True, temperature=0.8, top_k=0, top_p=0.9, seed=3))
     expected_uniform = SequenceSampler(SamplingParams(seed=3)).uniform()
     t = sampling_tensors([None, sampler], max_topk=16)
     assert t["temperature"].tolist() == pytest.approx([1.0, 0.8])

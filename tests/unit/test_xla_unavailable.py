@@ -3,7 +3,6 @@ says where it runs, and nothing imports torch-xla (it is only imported by `backe
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
@@ -11,8 +10,7 @@ import pytest
 
 from optimum.neuron.backends import get_backend
 from optimum.neuron.errors import BackendUnavailableError
-
-HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
+from tests.utils import HAS_TORCH_XLA
 
 
 @pytest.mark.skipif(HAS_TORCH_XLA, reason="torch-xla is installed here: the xla backend works (tests/xla)")

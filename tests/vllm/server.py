@@ -1,15 +1,10 @@
-"""A real ``vllm serve`` process on 127.0.0.1 for tests: started on a free port, waited for with a
-bounded timeout, stopped (terminate, then kill) whatever the test does; a clean stop leaves no
-process of its tree behind (checked)."""
+"""A real ``vllm serve`` process on 127.0.0.1 for tests (started by the benchmark's launcher on a free port,
+waited for with a bounded timeout, stopped whatever the test does; a clean stop must leave no process of
+its tree behind), and a small client of its OpenAI-compatible API."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,16 +12,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import psutil
+from benchmark.serving.server import serving
 
 STARTUP_SECONDS = 300
 REQUEST_SECONDS = 120
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Server:
@@ -69,40 +58,8 @@ class Server:
 
 @contextmanager
 def vllm_serve(artifact: Path, log: Path, *flags: str) -> Iterator[Server]:
-    """``vllm serve artifact`` on 127.0.0.1; yields once ``/health`` answers, stops the server after."""
-    port = free_port()
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(artifact), "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), *flags]
-    with log.open("w") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
-    server = Server(port, log)
-    try:
-        _wait_healthy(server, process)
-        yield server
-    finally:
-        children = psutil.Process(process.pid).children(recursive=True) if process.poll() is None else []
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        _, alive = psutil.wait_procs(children, timeout=30)
-        for stray in alive:
-            stray.kill()
-    assert not alive, f"vllm serve left processes behind: {[p.pid for p in alive]}"
-
-
-def _wait_healthy(server: Server, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + STARTUP_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"vllm serve exited with {process.returncode}:\n{server.log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(server.base + "/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1)
-    raise AssertionError(f"vllm serve not healthy after {STARTUP_SECONDS}s:\n{server.log.read_text()[-4000:]}")
+    """``vllm serve artifact`` on 127.0.0.1 (the benchmark's launcher, `benchmark.serving.server.serving`);
+    yields once ``/health`` answers. After the block, a graceful stop must have left no process behind."""
+    with serving(artifact, log, *flags, timeout_s=STARTUP_SECONDS) as process:
+        yield Server(process.port, log)
+    assert not process.left_behind, f"vllm serve left processes behind: {process.left_behind}"

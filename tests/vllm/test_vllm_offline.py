@@ -8,7 +8,6 @@ budgets complete; a long prompt's chunks interleave with the decodes of a runnin
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.contract.engine_tools import loaded
 from tests.fixtures.llm.models import cache_dir, export_fixture, tiny_model
 from tests.fixtures.llm.reference import hf_greedy
 from tests.utils import subprocess_test
@@ -49,16 +49,8 @@ def prefilled_tokens(records: list[dict[str, Any]]) -> Counter[str]:
     return fed
 
 
-@functools.cache
-def neuron_model(artifact: Path) -> Any:
-    """`NeuronModelForCausalLM` on ``artifact``, loaded once per test process."""
-    from optimum.neuron import NeuronModelForCausalLM
-
-    return NeuronModelForCausalLM.from_pretrained(artifact)
-
-
 def our_tokens(artifact: Path, ids: list[int], new: int = NEW_TOKENS) -> list[int]:
-    model = neuron_model(artifact)
+    model = loaded(artifact)
     return model.generate(torch.tensor([ids]), max_new_tokens=new, eos_token_id=[])[0, len(ids) :].tolist()
 
 

@@ -10,34 +10,26 @@ preempted) gives its KV slot back.
 from __future__ import annotations
 
 import pytest
-import torch
 from vllm import SamplingParams as VllmParams
 
 from optimum.neuron.errors import InputError, SlotError
-from optimum.neuron.runtime.artifacts import Artifact
-from optimum.neuron.runtime.engine import Engine
-from optimum.neuron.runtime.generate import generate_tokens
-from optimum.neuron.runtime.sampling import SamplingParams
 from optimum.neuron.vllm.compat import CachedRequest, NewRequest, Step
 from optimum.neuron.vllm.runner import Runner
-from tests.fixtures.llm.models import export_fixture
+from tests.contract.engine_tools import alone, engine_for, prompt
 
+pytestmark = [pytest.mark.vllm]
 CHUNK = 8
 GREEDY = VllmParams(temperature=0.0, max_tokens=32)
 
 
 @pytest.fixture
 def runner() -> Runner:
-    return Runner(Engine(Artifact.open(export_fixture("llama-2x4x8-eager"))))
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return Runner(engine_for("eager"))
 
 
 def expected(runner: Runner, ids: list[int], new: int) -> list[int]:
     """Greedy tokens of ``generate()`` on the same engine (slots are given back afterwards)."""
-    return generate_tokens(runner.engine, [ids], new, SamplingParams(), set())[0]
+    return alone(runner.engine, ids, new)
 
 
 def step(
@@ -99,6 +91,7 @@ def test_whole_long_prompt_in_one_step_runs_several_chunks(runner: Runner) -> No
     d.run({"a": 1})
     assert d.out["a"] == want
     assert runner.records[0].prefills == [("a", 0, len(ids))]
+    assert runner.records[1].decodes == ["a"]
 
 
 def test_decodes_run_in_the_same_step_as_another_prompt_chunk(runner: Runner) -> None:
@@ -125,7 +118,10 @@ def test_finished_and_aborted_requests_give_their_slot_back(runner: Runner) -> N
     d.run({"c": 2}, [new_request("c", prompt(2, 6))], finished={"b"})
     assert set(runner.engine.slots.used.values()) == {"c"}
     d.run({}, finished={"c"})
-    assert runner.engine.slots.free_count == 2 and not runner.requests
+    assert runner.engine.slots.free_count == 2
+    for gone in ("a", "b", "c"):
+        with pytest.raises(InputError, match="no sequence"):
+            runner.engine.sequence(gone)
 
 
 def test_preempted_request_resumes_with_the_same_tokens(runner: Runner) -> None:
@@ -174,3 +170,10 @@ def test_seeded_sampling_reproduces(runner: Runner) -> None:
         d.run({}, finished={name})
         runs.append(d.out[name])
     assert runs[0] == runs[1] and len(runs[0]) == 6
+
+
+def test_a_count_that_disagrees_with_the_engine_is_refused(runner: Runner) -> None:
+    d = Driver(runner)
+    d.run({"a": 3}, [new_request("a", prompt(5, 9))])
+    with pytest.raises(InputError, match="vLLM counts 2 computed tokens, the engine 3"):
+        runner.execute(step({"a": 2}, cached=[cached("a", 2)]))

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.llm.models import export_fixture
+from tests.fixtures.llm.smollm2 import XDIST_GROUP
 from tests.utils import subprocess_test
 from tests.vllm.server import vllm_serve
 
@@ -58,11 +59,12 @@ def test_serve_completions_chat_and_streaming_equal_offline(tmp_path: Path) -> N
     assert "optimum-neuronx serving" in (tmp_path / "serve.log").read_text()
 
 
+@pytest.mark.xdist_group(XDIST_GROUP)
 @subprocess_test
 def test_serve_smollm2_answers_a_chat_question(tmp_path: Path) -> None:
-    from tests.models.test_smollm2 import smollm2_artifact
+    from tests.fixtures.llm.smollm2 import CHUNKED, smollm2_artifact
 
-    artifact = smollm2_artifact("smollm2-1x4x128-inductor")
+    artifact = smollm2_artifact(CHUNKED.format(backend="inductor"))  # the README's export
     question = [{"role": "user", "content": "What is the capital of France?"}]
     with vllm_serve(artifact, tmp_path / "serve.log") as server:
         name = server.get("/v1/models")["data"][0]["id"]

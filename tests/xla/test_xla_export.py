@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from optimum.neuron.artifact import sha256_of
 from optimum.neuron.backends.xla_graph import ParameterMap
 from optimum.neuron.config import runtime_versions
-from optimum.neuron.runtime.artifacts import sha256_of
-from tests.export.test_artifacts import artifact_copy, edit_json, expect_artifact_error, rehash_manifest
-from tests.export.test_cli import check_round_trip, export_llama, run_cli
+from tests.fixtures.artifacts import artifact_copy, edit_json, expect_artifact_error, rehash_manifest
+from tests.fixtures.cli import check_round_trip, export_llama, run_cli
 from tests.fixtures.llm.models import tiny_model
 from tests.utils import subprocess_test
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from optimum.neuron.artifact import Artifact
 from optimum.neuron.graphs import graph_kinds
-from optimum.neuron.runtime.artifacts import Artifact
 from optimum.neuron.runtime.engine import Engine
-from optimum.neuron.runtime.sampling import SamplingParams, SequenceSampler
-from tests.contract.engine_tools import fixture_name, prompt
+from optimum.neuron.runtime.sampling import SamplingParams
+from tests.contract.engine_tools import GREEDY, fixture_name, prompt
 from tests.fixtures.llm.models import export_fixture
 from tests.models.exports import CHUNK
 from tests.utils import subprocess_test
@@ -19,15 +19,21 @@ pytestmark = pytest.mark.xla
 
 
 def drive(engine: Engine) -> None:
-    """Prefill prompts of boundary lengths into both slots, then decode with every set of active slots."""
-    chunked = engine.config.prefill_chunk_size > 0
-    for slot, length in enumerate((1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1, 3 * CHUNK)):
-        engine.prefill(prompt(length, slot), slot % 2)
-    if chunked:
-        engine.prefill_chunk(prompt(3, 9), [20, 21, 22], 1)
-    sampling = {0: SequenceSampler(SamplingParams()), 1: SequenceSampler(SamplingParams(True, 0.7, 20, 0.9, 3))}
-    for active in ({0: (5, 20)}, {1: (6, 25)}, {0: (7, 22), 1: (8, 26)}, {}):
-        engine.decode(active, {s: sampling[s] for s in active})
+    """Prefill prompts of boundary lengths, decode with every set of decoding slots, and prefill a prompt
+    in the same step as a decode (a chunk beside it, for a chunked artifact)."""
+    sampled = SamplingParams(True, 0.7, 20, 0.9, 3)
+    for index, length in enumerate((1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1, 3 * CHUNK)):
+        engine.admit(index, prompt(length, index), sampled if index % 2 else GREEDY)
+        engine.step({index: length})
+        if index < 4:
+            engine.release(index)
+    for work in ({4: 1}, {5: 1}, {4: 1, 5: 1}):
+        engine.step(work)
+    engine.release(4)
+    engine.admit(6, prompt(2 * CHUNK + 3, 6), GREEDY)
+    engine.step({5: 1, 6: CHUNK if engine.config.prefill_chunk_size else 2 * CHUNK + 3})
+    engine.release(5)
+    engine.release(6)
 
 
 @pytest.mark.slow

@@ -1,8 +1,14 @@
-"""``python -m optimum.exporters.neuron``: the same export as ``optimum-cli export neuron``."""
+"""``python -m optimum.exporters.neuron``: the same export as ``optimum-cli export neuron``.
+
+The flags that set a `NeuronConfig` field are made from the config itself (name, type, default,
+choices, and the field's docstring as help), so the CLI cannot drift from it; the config refuses
+every invalid value or combination when it is built.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -11,51 +17,44 @@ from ...neuron.errors import NeuronError
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     """The export flags, shared by ``optimum-cli export neuron`` and ``python -m``."""
+    from ...neuron.config import config_fields, field_docs
+
     parser.add_argument("--model", "-m", required=True, help="Local transformers checkpoint folder.")
-    parser.add_argument("--batch_size", type=int, default=1, help="KV slots / sequences decoded together.")
-    parser.add_argument("--sequence_length", type=int, default=1024, help="Tokens per sequence (prompt + new).")
-    parser.add_argument(
-        "--prefill_chunk_size",
-        type=int,
-        default=0,
-        help="0: one context-encoding graph [1, S]; C > 0: a chunked-prefill graph [1, C].",
-    )
-    parser.add_argument("--tensor_parallel_size", type=int, default=1, help="Only 1 is supported.")
-    parser.add_argument("--auto_cast_type", choices=("fp32", "bf16", "fp16"), default="fp32", help="Compute dtype.")
-    parser.add_argument(
-        "--backend",
-        choices=("inductor", "eager", "xla", "neuron"),
-        default="inductor",
-        help="inductor: AOTInductor packages (CPU/CUDA); eager: reference; xla: HLO graphs for XLA:CPU or the "
-        "Neuron device (needs .venv-xla, see docs/xla.md); neuron: not available here.",
-    )
-    parser.add_argument("--device", choices=("cpu", "cuda", "neuron"), default="cpu", help="Target device.")
-    parser.add_argument("--max_topk", type=int, default=256, help="Largest top_k of on-device sampling.")
-    parser.add_argument(
-        "--no_on_device_sampling", action="store_true", help="Token generation returns logits, sampled on the host."
-    )
+    docs = field_docs()
+    for spec in config_fields():
+        _add_field(parser, spec, docs[spec.name])
     parser.add_argument("--no_cache", action="store_true", help="Always compile, ignoring the export cache.")
     parser.add_argument("output", type=Path, help="Output artifact directory.")
 
 
+def _add_field(parser: argparse.ArgumentParser, spec: dataclasses.Field, doc: str) -> None:
+    """One flag for config field ``spec``: ``--<flag> VALUE``, or a switch for a boolean field."""
+    from ...neuron.config import CHOICES, flag
+
+    help_text = doc.replace("%", "%%")
+    if isinstance(spec.default, bool):
+        switch = flag(spec.name) if not spec.default else f"--no_{flag(spec.name).removeprefix('--')}"
+        action = "store_false" if spec.default else "store_true"
+        parser.add_argument(
+            switch, dest=spec.name, action=action, help=f"Turn off: {help_text}" if spec.default else help_text
+        )
+        return
+    parser.add_argument(
+        flag(spec.name),
+        dest=spec.name,
+        type=type(spec.default),
+        default=spec.default,
+        choices=CHOICES.get(spec.name),
+        help=f"{help_text} (default: %(default)s)",
+    )
+
+
 def run_export(args: argparse.Namespace) -> Path:
     """Build the `NeuronConfig` from parsed flags and export."""
-    from ...neuron.backends import get_backend
-    from ...neuron.config import NeuronConfig
+    from ...neuron.config import NeuronConfig, config_fields
     from .export import export
 
-    get_backend(args.backend).placement(args.device)  # an unavailable backend or device is named first
-    config = NeuronConfig(
-        batch_size=args.batch_size,
-        sequence_length=args.sequence_length,
-        prefill_chunk_size=args.prefill_chunk_size,
-        tp_degree=args.tensor_parallel_size,
-        auto_cast_type=args.auto_cast_type,
-        on_device_sampling=not args.no_on_device_sampling,
-        max_topk=args.max_topk,
-        backend=args.backend,
-        device=args.device,
-    )
+    config = NeuronConfig(**{spec.name: getattr(args, spec.name) for spec in config_fields()})
     return export(args.model, args.output, config, use_cache=not args.no_cache)
 
 

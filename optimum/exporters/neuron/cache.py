@@ -1,13 +1,36 @@
-"""Where compiled artifacts are cached, and the code fingerprint that keys them."""
+"""Where compiled artifacts are cached, and the code fingerprint that keys them.
+
+The export cache key (`NeuronConfig.cache_key`) hashes the config, the checkpoint's files, the backend's
+versions and `code_fingerprint`: the sources that shape a compiled graph or the files written beside it,
+and nothing else. Editing the runtime, the vLLM plugin, the demo or a docstring reuses the cached
+exports; editing a model, a layer, a backend, the graph signatures, the weight map, the config, the
+artifact format or the exporter recompiles.
+"""
 
 from __future__ import annotations
 
+import ast
+import fcntl
 import hashlib
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
 _DEFAULT = Path.home() / ".cache" / "optimum-neuron"
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+"""The ``optimum`` folder this toolkit is imported from."""
+GRAPH_SOURCES = (
+    "neuron/models",
+    "neuron/backends",
+    "neuron/graphs.py",
+    "neuron/weights.py",
+    "neuron/config.py",
+    "neuron/artifact.py",
+    "exporters/neuron",
+)
+"""What `code_fingerprint` hashes, relative to `PACKAGE_ROOT`: folders (their ``*.py``) and files."""
 
 
 def cache_root() -> Path:
@@ -18,12 +41,52 @@ def cache_root() -> Path:
     return root
 
 
+@contextmanager
+def cache_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the lock file ``path`` (created if needed) across processes: one process
+    builds a cache entry while the others wait, then find it built."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @lru_cache(maxsize=1)
 def code_fingerprint() -> str:
-    """Hash of the toolkit's Python sources that shape a compiled graph."""
-    package = Path(__file__).resolve().parents[2] / "neuron"
+    """`sources_fingerprint` of the installed toolkit (computed once per process)."""
+    return sources_fingerprint(PACKAGE_ROOT)
+
+
+def sources_fingerprint(root: Path) -> str:
+    """Hash of the `GRAPH_SOURCES` under ``root`` (an ``optimum`` folder), by their code: comments,
+    docstrings and formatting do not count."""
     digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        if "vllm" not in path.parts:
-            digest.update(path.relative_to(package).as_posix().encode() + path.read_bytes())
+    for path in _graph_sources(root):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + _code_of(path).encode() + b"\0")
     return digest.hexdigest()[:16]
+
+
+def _graph_sources(root: Path) -> list[Path]:
+    paths: list[Path] = []
+    for name in GRAPH_SOURCES:
+        source = root / name
+        paths.extend(sorted(source.rglob("*.py")) if source.is_dir() else [source])
+    return paths
+
+
+def _code_of(path: Path) -> str:
+    """The syntax tree of ``path`` without its docstrings (module, class, function and attribute ones:
+    every statement that is a bare string), as text."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            node.body = [s for s in body if not _is_docstring(s)] or [ast.Pass()]  # type: ignore[attr-defined]
+    return ast.dump(tree)
+
+
+def _is_docstring(node: ast.AST) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)

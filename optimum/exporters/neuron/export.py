@@ -15,17 +15,25 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ...neuron.artifact import (
+    GRAPHS_DIR,
+    WEIGHTS_FILE,
+    allocate_cache,
+    assemble,
+    empty_decoder,
+    graph_file,
+    sha256_of,
+    write_manifest,
+)
 from ...neuron.backends import get_backend
 from ...neuron.config import CONFIG_FILE, NeuronConfig
 from ...neuron.errors import UnsupportedModelError, WeightLoadingError
 from ...neuron.graphs import GraphKind, example_inputs, graph_args, graph_kinds, graph_spec
-from ...neuron.models.base import StaticDecoder, attention_dims, graph_module
-from ...neuron.models.layers.kv_cache import allocate_kv_cache
-from ...neuron.models.registry import build_decoder, supported_model_types
+from ...neuron.models.base import StaticDecoder, graph_module
+from ...neuron.models.registry import supported_model_types
 from ...neuron.progress import StepProgress
-from ...neuron.runtime.artifacts import GRAPHS_DIR, WEIGHTS_FILE, graph_file, sha256_of, write_manifest
-from ...neuron.weights import bind_weights, constants_of, map_state_dict, read_checkpoint
-from .cache import cache_root, code_fingerprint
+from ...neuron.weights import constants_of, map_state_dict, read_checkpoint
+from .cache import cache_lock, cache_root, code_fingerprint
 
 _HF_FILES = (
     "tokenizer.json",
@@ -49,35 +57,53 @@ def model_fingerprint(model_dir: Path) -> str:
 
 
 def export(model_dir: str | Path, output_dir: str | Path, config: NeuronConfig, use_cache: bool = True) -> Path:
-    """Export ``model_dir`` under ``config`` into ``output_dir`` (reusing the export cache)."""
+    """Export ``model_dir`` under ``config`` into ``output_dir`` (a copy of the export cache's entry, built
+    on first use, unless ``use_cache`` is false)."""
     model_dir, output_dir = Path(model_dir), Path(output_dir)
-    if not (model_dir / "config.json").is_file():
-        raise WeightLoadingError(
-            f"{model_dir} is not a transformers checkpoint folder (no config.json there): point --model at a "
-            "local folder written by save_pretrained."
-        )
+    if not use_cache:
+        device = _checked_inputs(model_dir, config)
+        _build(model_dir, output_dir, config, device)
+        return output_dir
+    cached = cached_export(model_dir, config)
+    if output_dir.resolve() != cached.resolve():
+        _copy_tree(cached, output_dir)
+    return output_dir
+
+
+def cached_export(model_dir: str | Path, config: NeuronConfig) -> Path:
+    """The export cache's artifact of ``model_dir`` under ``config``, built on first use (one process builds,
+    concurrent ones wait for it). Read it, never write into it: `export` gives a private copy."""
+    model_dir = Path(model_dir)
+    device = _checked_inputs(model_dir, config)
     key = config.cache_key(f"{model_fingerprint(model_dir)}:{code_fingerprint()}")
     cached = cache_root() / "exports" / key
-    if not use_cache:
-        _build(model_dir, output_dir, config)
-        return output_dir
-    if not (cached / CONFIG_FILE).is_file():
+    with cache_lock(cached.with_name(f"{key}.lock")):
+        if (cached / CONFIG_FILE).is_file():
+            from rich.console import Console
+
+            Console(stderr=True).print(f"[green]export cache hit[/green] {cached}")
+            return cached
         staging = cached.with_name(f"{key}.tmp{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            _build(model_dir, staging, config)
+            _build(model_dir, staging, config, device)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # a failed export leaves nothing in the cache
             raise
         shutil.rmtree(cached, ignore_errors=True)
         staging.rename(cached)
-    else:
-        from rich.console import Console
+    return cached
 
-        Console(stderr=True).print(f"[green]export cache hit[/green] {cached}")
-    if output_dir.resolve() != cached.resolve():
-        _copy_tree(cached, output_dir)
-    return output_dir
+
+def _checked_inputs(model_dir: Path, config: NeuronConfig) -> str | torch.device:
+    """The device to build on; refuses an unavailable backend or device, then a folder that is no checkpoint."""
+    device = get_backend(config.backend).placement(config.device)
+    if not (model_dir / "config.json").is_file():
+        raise WeightLoadingError(
+            f"{model_dir} is not a transformers checkpoint folder (no config.json there): point --model at a "
+            "local folder written by save_pretrained."
+        )
+    return device
 
 
 def _copy_tree(source: Path, target: Path) -> None:
@@ -91,16 +117,15 @@ def _replace_file(source: str, target: str) -> str:
     return shutil.copy2(source, target)
 
 
-def _build(model_dir: Path, out: Path, config: NeuronConfig) -> None:
+def _build(model_dir: Path, out: Path, config: NeuronConfig, device: str | torch.device) -> None:
     backend = get_backend(config.backend)
-    device = backend.placement(config.device)  # refuses an unavailable device before any work
     kinds = graph_kinds(config)
     (out / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
     with StepProgress(f"export {model_dir.name} ({config.backend}, {config.device})", 2 + len(kinds)) as bar:
         with bar.step("load checkpoint"):
             hf_config = _hf_config(model_dir)
             decoder, weights = load_decoder(hf_config, model_dir, config, device)
-            kv_cache = _cache_for(hf_config, config, device)
+            kv_cache = allocate_cache(hf_config, config, device)
         files: dict[GraphKind, str] = {}
         for kind in kinds:
             files[kind] = graph_file(kind, backend.suffix)
@@ -135,25 +160,10 @@ def load_decoder(
 ) -> tuple[StaticDecoder, dict]:
     """The static decoder of ``model_dir`` with its strictly mapped weights, on ``device`` (default
     ``config.device``; the xla backend passes its XLA device, see `Backend.placement`)."""
-    with torch.device("meta"):
-        decoder = build_decoder(hf_config, config.sequence_length, config.max_topk)
-    params = map_state_dict(decoder, read_checkpoint(model_dir), config.torch_dtype)
-    weights = {k: v.to(device or config.device) for k, v in constants_of(decoder, params).items()}
-    bind_weights(decoder, weights)
-    return decoder.eval(), weights
-
-
-def _cache_for(hf_config: Any, config: NeuronConfig, device: str | torch.device) -> list[torch.Tensor]:
-    dims = attention_dims(hf_config)
-    return allocate_kv_cache(
-        hf_config.num_hidden_layers,
-        config.batch_size,
-        dims.kv_heads,
-        config.sequence_length,
-        dims.head_dim,
-        config.torch_dtype,
-        device,
-    )
+    layout = empty_decoder(hf_config, config)
+    params = map_state_dict(layout, read_checkpoint(model_dir), config.torch_dtype)
+    weights = {k: v.to(device or config.device) for k, v in constants_of(layout, params).items()}
+    return assemble(hf_config, config, weights), weights
 
 
 def _shape(config: NeuronConfig, kind: GraphKind) -> str:

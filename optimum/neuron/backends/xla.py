@@ -25,7 +25,7 @@ from ..config import runtime_versions
 from ..errors import ArtifactError, InputError, UnsupportedModelError
 from . import xla_compat
 from .base import Backend, GraphFactory, LoadedGraph
-from .xla_graph import ParameterMap, Slot
+from .xla_graph import Binding, ParameterMap
 
 Sources = dict[int, tuple[str, str]]
 """Device-data id -> (source, key) of every tensor a graph may read."""
@@ -53,7 +53,7 @@ class XlaBackend(Backend):
         proto = xla_compat.hlo_proto(roots)
         _check_trace(path, compiles, fallbacks)
         parameters, constants = _parameters(ids, values, known)
-        outputs = [Slot.of("result", 0, result)] + [Slot.of("cache", i, t) for i, t in enumerate(private)]
+        outputs = [Binding.of("result", 0, result)] + [Binding.of("cache", i, t) for i, t in enumerate(private)]
         _write(path, self.suffix, proto, constants, parameters, outputs)
 
     def load(self, path: Path, weights: dict[str, torch.Tensor], factory: GraphFactory) -> LoadedGraph:
@@ -66,7 +66,7 @@ class XlaBackend(Backend):
         except Exception as err:  # safetensors raises its own error types on a bad file
             raise ArtifactError(f"cannot read {constants_path} ({err}); re-export the model.") from err
         device = next(iter(weights.values())).device
-        bound = [_bound(path, slot, weights, constants, device) for slot in spec.parameters]
+        bound = [_bound(path, binding, weights, constants, device) for binding in spec.parameters]
         kind = path.name.removesuffix(self.suffix)
         try:
             built = xla_compat.computation(f"optimum_neuron_{kind}", proto)
@@ -85,30 +85,30 @@ class XlaGraph:
     def __call__(self, *args: object) -> torch.Tensor:
         inputs, cache = split_args(args)
         values = [
-            self._value(slot, fixed, inputs, cache)
-            for slot, fixed in zip(self.spec.parameters, self._bound, strict=True)
+            self._value(binding, fixed, inputs, cache)
+            for binding, fixed in zip(self.spec.parameters, self._bound, strict=True)
         ]
         with torch.no_grad():
             outputs = xla_compat.call(self.name, values, self._built)
             result = outputs[self._result]
-            for slot, new in zip(self.spec.outputs, outputs, strict=True):
-                if slot.source == "cache":
-                    cache[int(slot.key)].copy_(new)  # the old cache buffer is donated: no copy is made
+            for binding, new in zip(self.spec.outputs, outputs, strict=True):
+                if binding.source == "cache":
+                    cache[int(binding.key)].copy_(new)  # the old cache buffer is donated: no copy is made
             del outputs, new  # only the cache and the result stay live: no extra outputs in the synced graph
             xla_compat.sync()
         return result.cpu()  # the runtime reads results on the host; slicing on the device would compile more
 
     def _value(
-        self, slot: Slot, fixed: torch.Tensor | None, inputs: list[torch.Tensor], cache: list[torch.Tensor]
+        self, binding: Binding, fixed: torch.Tensor | None, inputs: list[torch.Tensor], cache: list[torch.Tensor]
     ) -> torch.Tensor:
         if fixed is not None:
             return fixed
-        pool = cache if slot.source == "cache" else inputs
-        index = int(slot.key)
-        if index >= len(pool) or not slot.matches(pool[index]):
+        pool = cache if binding.source == "cache" else inputs
+        index = int(binding.key)
+        if index >= len(pool) or not binding.matches(pool[index]):
             got = tuple(pool[index].shape) if index < len(pool) else "nothing"
             raise InputError(
-                f"{self.name} expects {slot.source} {index} of shape {slot.shape} ({slot.dtype}), got {got}: "
+                f"{self.name} expects {binding.source} {index} of shape {binding.shape} ({binding.dtype}), got {got}: "
                 "call graphs through the Engine, which pads every input to the graph's static shape."
             )
         return pool[index]
@@ -144,18 +144,18 @@ def _check_trace(path: Path, compiles: int, fallbacks: dict[str, int]) -> None:
 
 def _parameters(
     ids: list[int], values: list[torch.Tensor], known: Sources
-) -> tuple[list[Slot], dict[str, torch.Tensor]]:
-    """One slot per HLO parameter; device data that is no weight, cache or input becomes a saved constant."""
-    slots: list[Slot] = []
+) -> tuple[list[Binding], dict[str, torch.Tensor]]:
+    """One binding per HLO parameter; device data that is no weight, cache or input becomes a saved constant."""
+    bindings: list[Binding] = []
     constants: dict[str, torch.Tensor] = {}
     for tensor_id, value in zip(ids, values, strict=True):
         if tensor_id in known:
-            slots.append(Slot.of(*known[tensor_id], value))
+            bindings.append(Binding.of(*known[tensor_id], value))
         else:
             key = str(len(constants))
             constants[key] = value.cpu().contiguous()
-            slots.append(Slot.of("constant", key, value))
-    return slots, constants
+            bindings.append(Binding.of("constant", key, value))
+    return bindings, constants
 
 
 def _write(path: Path, suffix: str, proto: bytes, constants: dict, parameters: list, outputs: list) -> None:
@@ -184,16 +184,21 @@ def _checked_file(path: Path, entry: dict[str, str]) -> Path:
 
 
 def _bound(
-    path: Path, slot: Slot, weights: dict[str, torch.Tensor], constants: dict[str, torch.Tensor], device: torch.device
+    path: Path,
+    binding: Binding,
+    weights: dict[str, torch.Tensor],
+    constants: dict[str, torch.Tensor],
+    device: torch.device,
 ) -> torch.Tensor | None:
-    """The tensor bound to parameter ``slot`` for every call (weights, constants); None for per-call ones."""
-    if slot.source in ("cache", "input"):
+    """The tensor bound to parameter ``binding`` for every call (weights, constants); None for per-call ones."""
+    if binding.source in ("cache", "input"):
         return None
-    pool, what = (weights, "weights") if slot.source == "weight" else (constants, "constants")
-    tensor = pool.get(slot.key)
-    if tensor is None or not slot.matches(tensor):
+    pool, what = (weights, "weights") if binding.source == "weight" else (constants, "constants")
+    tensor = pool.get(binding.key)
+    if tensor is None or not binding.matches(tensor):
         raise ArtifactError(
-            f"{path.name} needs {slot.source} {slot.key!r} {slot.shape} {slot.dtype}, which the artifact's {what} "
-            "lack or hold with another shape or dtype: the files come from different exports; re-export the model."
+            f"{path.name} needs {binding.source} {binding.key!r} {binding.shape} {binding.dtype}, which the "
+            f"artifact's {what} lack or hold with another shape or dtype: the files come from different exports; "
+            "re-export the model."
         )
-    return tensor if slot.source == "weight" else tensor.to(device)
+    return tensor if binding.source == "weight" else tensor.to(device)

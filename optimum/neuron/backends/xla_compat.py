@@ -55,11 +55,7 @@ def load(device: str) -> ModuleType:
 
     Raises `BackendUnavailableError` naming what is missing: torch-xla itself, its pinned version, or
     for ``neuron`` the Neuron SDK packages and device."""
-    if device not in PJRT_DEVICES:
-        raise BackendUnavailableError(
-            f"--device {device} is not a device of the xla backend: use --device cpu (XLA:CPU) or --device neuron; "
-            f"for {device} use --backend inductor --device {device}."
-        )
+    assert device in PJRT_DEVICES, f"NeuronConfig refuses --device {device} for the xla backend"
     problems = _missing(device)
     if problems:
         raise BackendUnavailableError(_explain(device, problems))

@@ -29,7 +29,7 @@ SOURCES = ("weight", "cache", "input", "constant")
 
 
 @dataclass(frozen=True)
-class Slot:
+class Binding:
     """One HLO parameter or output: where it comes from (or goes), its shape and dtype."""
 
     source: str
@@ -41,12 +41,12 @@ class Slot:
     """``str(torch.dtype)``, e.g. ``torch.float32``."""
 
     @classmethod
-    def of(cls, source: str, key: str | int, tensor: torch.Tensor) -> Slot:
-        """The slot of ``tensor`` coming from ``source``."""
+    def of(cls, source: str, key: str | int, tensor: torch.Tensor) -> Binding:
+        """The binding of ``tensor`` coming from ``source``."""
         return cls(source, str(key), list(tensor.shape), str(tensor.dtype))
 
     def matches(self, tensor: torch.Tensor) -> bool:
-        """True when ``tensor`` has this slot's shape and dtype."""
+        """True when ``tensor`` has this binding's shape and dtype."""
         return list(tensor.shape) == self.shape and str(tensor.dtype) == self.dtype
 
 
@@ -54,8 +54,8 @@ class Slot:
 class ParameterMap:
     """Where each parameter of a traced graph comes from and where each output goes."""
 
-    parameters: list[Slot]
-    outputs: list[Slot]
+    parameters: list[Binding]
+    outputs: list[Binding]
     files: dict[str, dict[str, str]]
     """``hlo`` and ``constants`` -> ``{"file": name, "sha256": digest}`` (names relative to the map)."""
     versions: dict[str, str]
@@ -75,8 +75,8 @@ class ParameterMap:
             raise ArtifactError(f"{path} is not an xla graph parameter map ({FORMAT}); re-export the model.")
         try:
             return cls(
-                parameters=[_slot(p, SOURCES) for p in body["parameters"]],
-                outputs=[_slot(o, ("result", "cache")) for o in body["outputs"]],
+                parameters=[_binding(p, SOURCES) for p in body["parameters"]],
+                outputs=[_binding(o, ("result", "cache")) for o in body["outputs"]],
                 files={k: {"file": str(v["file"]), "sha256": str(v["sha256"])} for k, v in body["files"].items()},
                 versions=dict(body["versions"]),
             )
@@ -95,8 +95,8 @@ class ParameterMap:
             )
 
 
-def _slot(entry: Any, sources: tuple[str, ...]) -> Slot:
-    slot = Slot(str(entry["source"]), str(entry["key"]), [int(d) for d in entry["shape"]], str(entry["dtype"]))
-    if slot.source not in sources:
-        raise ValueError(f"unknown source {slot.source!r}")
-    return slot
+def _binding(entry: Any, sources: tuple[str, ...]) -> Binding:
+    binding = Binding(str(entry["source"]), str(entry["key"]), [int(d) for d in entry["shape"]], str(entry["dtype"]))
+    if binding.source not in sources:
+        raise ValueError(f"unknown source {binding.source!r}")
+    return binding

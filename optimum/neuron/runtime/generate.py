@@ -1,50 +1,41 @@
-"""HF-style generation on an `Engine`: each prompt is prefilled into its own KV slot (chunk by chunk
-for a chunked artifact), then all sequences decode together in the token-generation graph."""
+"""HF-style generation as a thin adapter over the `Engine`: admit every prompt, prefill them all in one
+step, then one decode step at a time until each sequence stops (an EOS id, ``max_new_tokens``, or a
+full KV slot). Row ``i`` samples with ``seed + i`` when a seed is given."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Sequence as Seq
 
 from ..errors import InputError
 from .engine import Engine
-from .sampling import SamplingParams, SequenceSampler, sample_on_host
-
-
-@dataclass
-class _Sequence:
-    slot: int
-    sampler: SequenceSampler
-    tokens: list[int]
-    position: int
-    done: bool = False
+from .sampling import SamplingParams
+from .sequence import Sequence
 
 
 def generate_tokens(
     engine: Engine,
-    prompts: Sequence[Sequence[int]],
+    prompts: Seq[Seq[int]],
     max_new_tokens: int,
     params: SamplingParams,
     eos_token_ids: set[int],
 ) -> list[list[int]]:
-    """New tokens for each prompt (stopping at an EOS id, ``max_new_tokens``, or a full KV slot)."""
+    """New tokens for each prompt; every slot taken is given back, whatever happens."""
     _check_batch(engine, prompts, max_new_tokens)
-    seqs: list[_Sequence] = []
+    call = object()  # this call's sequence ids cannot clash with anyone else's
+    ids = [(call, row) for row in range(len(prompts))]
     try:
-        for index, prompt in enumerate(prompts):
-            seqs.append(_start(engine, index, list(prompt), params, eos_token_ids))
-        for _ in range(max_new_tokens - 1):
-            live = {s.slot: s for s in seqs if not s.done}
-            if not live:
-                break
-            _step(engine, live, max_new_tokens, eos_token_ids)
+        sequences = [engine.admit(ids[row], p, _row_params(params, row)) for row, p in enumerate(prompts)]
+        engine.step({s.seq_id: s.pending for s in sequences})
+        while live := [s for s in sequences if not _stopped(s, max_new_tokens, eos_token_ids)]:
+            engine.step({s.seq_id: 1 for s in live})
     finally:
-        for s in seqs:
-            engine.slots.release(s.slot)
-    return [s.tokens for s in seqs]
+        for seq_id in ids:
+            engine.release(seq_id)
+    return [s.generated for s in sequences]
 
 
-def _check_batch(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+def _check_batch(engine: Engine, prompts: Seq[Seq[int]], max_new_tokens: int) -> None:
     if not prompts:
         raise InputError("generate() needs at least one prompt.")
     if len(prompts) > engine.slots.free_count:
@@ -54,27 +45,12 @@ def _check_batch(engine: Engine, prompts: Sequence[Sequence[int]], max_new_token
         )
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-    for prompt in prompts:
-        engine.check_prompt_length(len(prompt))
 
 
-def _start(engine: Engine, index: int, prompt: list[int], params: SamplingParams, eos: set[int]) -> _Sequence:
-    slot = engine.slots.acquire(("generate", index))
-    engine.reset_slot(slot)
-    seeded = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": params.seed + index})
-    sampler = SequenceSampler(seeded)
-    logits = engine.prefill(prompt, slot)
-    token = int(sample_on_host(logits[None], [sampler], engine.config.max_topk)[0])
-    seq = _Sequence(slot, sampler, [token], len(prompt))
-    seq.done = token in eos or seq.position >= engine.config.sequence_length
-    return seq
+def _row_params(params: SamplingParams, row: int) -> SamplingParams:
+    return params if params.seed is None else dataclasses.replace(params, seed=params.seed + row)
 
 
-def _step(engine: Engine, live: dict[int, _Sequence], max_new: int, eos: set[int]) -> None:
-    active = {slot: (s.tokens[-1], s.position) for slot, s in live.items()}
-    out = engine.decode(active, {slot: s.sampler for slot, s in live.items()})
-    for slot, s in live.items():
-        s.tokens.append(out[slot])
-        s.position += 1
-        full = s.position >= engine.config.sequence_length
-        s.done = out[slot] in eos or len(s.tokens) >= max_new or full
+def _stopped(sequence: Sequence, max_new_tokens: int, eos_token_ids: set[int]) -> bool:
+    new = sequence.generated
+    return new[-1] in eos_token_ids or len(new) >= max_new_tokens or sequence.full

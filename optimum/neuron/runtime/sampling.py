@@ -1,8 +1,10 @@
-"""Per-request sampling parameters and the host-side sampler (hybrid on-device sampling).
+"""Per-request sampling parameters and the host side of hybrid sampling (invariant 6).
 
-`SamplingParams.resolve` is the one place that turns user parameters into the tensors the
-sampler takes; `HostSampler` samples prefill logits on the CPU with the same `sample_tokens`
-function the token-generation graph runs, with uniforms from per-request seeded generators.
+`SamplingParams.check` is the one ``top_k`` policy (a sampled request may not ask for more candidates
+than the artifact's ``max_topk``: refused, naming ``--max_topk``); `SamplingParams.resolve` is the one
+place that turns parameters into what the sampler takes. `sample_on_host` samples prefill logits on the
+CPU with the same `sample_tokens` function the token-generation graph runs, with uniforms drawn from
+each sequence's seeded generator (`SequenceSampler`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ class SamplingParams:
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0
-    """0 or negative means no limit (capped at the artifact's ``max_topk``)."""
+    """0 or negative: no top-k filter (the sampler still draws from the artifact's ``max_topk`` most likely
+    tokens, the candidates every graph keeps); at most ``max_topk`` otherwise (`check`)."""
     top_p: float = 1.0
     seed: int | None = None
 
@@ -38,12 +41,21 @@ class SamplingParams:
         """True when this always picks the most likely token."""
         return not self.do_sample or self.temperature == 0 or self.top_k == 1
 
+    def check(self, max_topk: int) -> None:
+        """`InputError` when a sampled request asks for a ``top_k`` above the artifact's ``max_topk``
+        (greedy requests never use it)."""
+        if not self.greedy and self.top_k > max_topk:
+            raise InputError(
+                f"top_k={self.top_k} exceeds this artifact's max_topk={max_topk}: lower top_k, or re-export with "
+                f"--max_topk {self.top_k} or more."
+            )
+
     def resolve(self, max_topk: int) -> tuple[float, int, float]:
-        """``(temperature, top_k, top_p)`` as the sampler takes them, top-k capped at ``max_topk``."""
+        """``(temperature, top_k, top_p)`` as the sampler takes them (after `check`)."""
         if self.greedy:
             return 1.0, 1, 1.0
-        top_k = max_topk if self.top_k <= 0 else min(self.top_k, max_topk)
-        return self.temperature, top_k, self.top_p
+        self.check(max_topk)
+        return self.temperature, max_topk if self.top_k <= 0 else self.top_k, self.top_p
 
 
 @dataclass

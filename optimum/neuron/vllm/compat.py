@@ -1,6 +1,6 @@
 """Everything that touches vLLM 0.32 internals, in one place.
 
-The rest of the plugin works on plain Python data (`StepRequest` lists, token lists) so a vLLM
+The rest of the plugin works on plain Python data (`Step`, `NewRequest`, `CachedRequest`, token lists) so a vLLM
 upgrade only ever changes this module. Each function names the vLLM structure it reads or builds.
 """
 

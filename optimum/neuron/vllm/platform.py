@@ -10,13 +10,13 @@ artifact holds is an error naming the export flag to change.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
 
-from ..config import CONFIG_FILE, NeuronConfig, load_config_file
+from ..artifact import read_config
+from ..config import NeuronConfig, flag
 from ..errors import IncompatibleConfigError, InputError
 from . import compat
 from .sampling import check_request
@@ -24,17 +24,6 @@ from .sampling import check_request
 logger = compat.logger(__name__)
 
 _Platform, _PlatformEnum = compat.platform_base()
-
-
-def artifact_config(model: str) -> NeuronConfig:
-    """The `NeuronConfig` of the artifact folder ``model``; a clear error when it is not one."""
-    path = Path(model) / CONFIG_FILE
-    if not path.is_file():
-        raise IncompatibleConfigError(
-            f"{model!r} is not an optimum-neuronx artifact ({CONFIG_FILE} missing): export it first with "
-            "`optimum-cli export neuron --model <hf folder> ... <output dir>` and serve the output dir."
-        )
-    return load_config_file(path.read_text())
 
 
 def resolve_limits(vllm_config: Any, neuron: NeuronConfig) -> None:
@@ -72,7 +61,11 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
     device_type = "cpu"
     dispatch_key = "CPU"
     dist_backend = "gloo"
-    _max_topk: int | None = None
+
+    def __init__(self) -> None:
+        self.served: NeuronConfig | None = None
+        """The artifact `check_and_update_config` fitted vLLM to: vLLM calls both that method and
+        `validate_request` on its one platform object, and the latter receives no configuration."""
 
     @classmethod
     def is_cpu(cls) -> bool:  # vLLM skips accelerator calls (e.g. at shutdown) for CPU platforms
@@ -111,15 +104,15 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
     def update_block_size_for_backend(cls, vllm_config: Any) -> None:
         """Keep the block size chosen in `check_and_update_config` (there is no attention backend)."""
 
-    @classmethod
-    def check_and_update_config(cls, vllm_config: Any) -> None:
+    def check_and_update_config(self, vllm_config: Any) -> None:
         """Fit vLLM's configuration to the artifact being served (see the module docstring)."""
         if vllm_config.model_config is None:
             return
-        neuron = artifact_config(vllm_config.model_config.model)
+        neuron = read_config(vllm_config.model_config.model)
         if vllm_config.parallel_config.tensor_parallel_size != 1:
             raise IncompatibleConfigError(
-                "optimum-neuronx serves with tensor_parallel_size=1 only: drop --tensor-parallel-size."
+                "optimum-neuronx serves with tensor_parallel_size=1 only: drop --tensor-parallel-size "
+                f"(the artifact was exported with {flag('tp_degree')} {neuron.tp_degree})."
             )
         vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
         # Start the engine core by spawn, as vLLM's CPU platform does: a process forked after torch ran
@@ -131,7 +124,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         vllm_config.model_config.dtype = neuron.torch_dtype  # what the artifact computes in (logs, metadata)
         resolve_limits(vllm_config, neuron)
         vllm_config.cache_config.block_size = vllm_config.model_config.max_model_len
-        cls._max_topk = neuron.max_topk
+        self.served = neuron
         logger.info(
             "optimum-neuronx: %s (batch_size=%d, sequence_length=%d, prefill_chunk_size=%d) -> max_num_seqs=%d, "
             "max_model_len=%d, max_num_batched_tokens=%d, chunked_prefill=%s",
@@ -145,10 +138,10 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
             vllm_config.scheduler_config.enable_chunked_prefill,
         )
 
-    @classmethod
-    def validate_request(cls, processed_inputs: Any, params: Any) -> None:
-        """Refuse, per request, sampling parameters the graphs do not implement."""
+    def validate_request(self, processed_inputs: Any, params: Any) -> None:
+        """Refuse, per request, sampling parameters the graphs do not implement or the artifact cannot hold."""
+        assert self.served is not None, "vLLM validates requests only after check_and_update_config"
         try:
-            check_request(params, cls._max_topk if cls._max_topk is not None else 2**31)
+            check_request(params, self.served.max_topk)
         except InputError as err:  # vLLM answers its own validation error with HTTP 400, anything else 500
             raise compat.request_error(str(err)) from err

@@ -1,6 +1,6 @@
 """vLLM ``SamplingParams`` -> our `SamplingParams`, refusing what the graphs do not implement.
 
-Supported: temperature (0 = greedy), top_k (capped by the artifact's ``max_topk``), top_p, seed,
+Supported: temperature (0 = greedy), top_k (up to the artifact's ``max_topk``: `SamplingParams.check`), top_p, seed,
 max_tokens, stop / stop_token_ids, ignore_eos (the last four are applied by vLLM's scheduler and
 detokenizer). Everything else that would change the tokens is refused per request with the reason.
 """
@@ -39,6 +39,12 @@ def unsupported_fields(params: Any) -> list[str]:
 
 def check_request(params: Any, max_topk: int) -> None:
     """`InputError` when ``params`` asks for something the artifact cannot sample."""
+    to_sampling_params(params).check(max_topk)
+
+
+def to_sampling_params(params: Any) -> SamplingParams:
+    """Our `SamplingParams` for a vLLM ``SamplingParams``; `InputError` for parameters we do not implement
+    (the artifact's limits are checked by `SamplingParams.check`)."""
     if params is None or not hasattr(params, "temperature"):
         raise InputError("optimum-neuronx serves text generation only (no pooling / embedding requests).")
     bad = unsupported_fields(params)
@@ -47,16 +53,6 @@ def check_request(params: Any, max_topk: int) -> None:
             f"sampling parameter(s) {', '.join(sorted(bad))} are not supported by optimum-neuronx; supported: "
             "temperature, top_k, top_p, seed, max_tokens, stop, stop_token_ids, ignore_eos, n=1."
         )
-    if params.top_k > max_topk:
-        raise InputError(
-            f"top_k={params.top_k} exceeds this artifact's max_topk={max_topk}: lower top_k or re-export "
-            "with a larger --max_topk."
-        )
-
-
-def to_sampling_params(params: Any, max_topk: int) -> SamplingParams:
-    """Our `SamplingParams` for a checked vLLM ``SamplingParams``."""
-    check_request(params, max_topk)
     greedy = params.temperature == 0.0
     return SamplingParams(
         do_sample=not greedy,

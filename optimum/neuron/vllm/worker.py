@@ -11,8 +11,8 @@ import dataclasses
 import math
 from typing import Any
 
+from ..artifact import Artifact
 from ..modeling import NeuronModelForCausalLM
-from ..runtime.artifacts import Artifact
 from ..runtime.engine import Engine
 from . import compat
 from .runner import Runner

@@ -1,10 +1,17 @@
-"""Artifact layout, manifest and checks. An artifact directory holds::
+"""The artifact: its layout, its manifest, opening and verifying it, and assembling what its graphs
+run on. The exporter writes it and the runtime reads it; both go through this module only.
 
-config.json, generation_config.json, tokenizer files    (transformers)
-neuron_config.json                                      (NeuronConfig + versions + graph list)
-model.safetensors                                       (the one weight set, target dtype)
-graphs/<kind><suffix>                                   (one compiled graph per kind)
-graphs/manifest.json                                    (sha256 of each graph file, weight shapes)
+An artifact directory holds::
+
+    config.json, generation_config.json, tokenizer files    (transformers)
+    neuron_config.json                                      (NeuronConfig + versions + graph list)
+    model.safetensors                                       (the one weight set, target dtype)
+    graphs/<kind><suffix>                                   (one compiled graph per kind)
+    graphs/manifest.json                                    (sha256 of each graph file, weight shapes)
+
+*Assembling* is the same for export and run: the static decoder is built on the meta device (no
+memory) and bound to the one weight set without a copy; the one KV cache is allocated for the
+artifact's batch and sequence length.
 """
 
 from __future__ import annotations
@@ -16,16 +23,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ..config import CONFIG_FILE, NeuronConfig, load_config_file
-from ..errors import ArtifactError
-from ..graphs import GraphKind, graph_kinds
+from .config import CONFIG_FILE, NeuronConfig, load_config_file
+from .errors import ArtifactError
+from .graphs import GraphKind, graph_kinds
+from .models.base import StaticDecoder, attention_dims
+from .models.layers.kv_cache import allocate_kv_cache
+from .models.registry import build_decoder
+from .weights import bind_weights
 
 WEIGHTS_FILE = "model.safetensors"
 GRAPHS_DIR = "graphs"
 MANIFEST_FILE = "manifest.json"
+_NOT_AN_ARTIFACT = (
+    "{root} is not an optimum-neuronx artifact: {name} is missing. Export one with "
+    "`optimum-cli export neuron --model <hf folder> ... <output dir>` and use the output dir."
+)
+
+
+# --- layout and manifest ----------------------------------------------------------------------
 
 
 def graph_file(kind: GraphKind, suffix: str) -> str:
@@ -56,6 +73,15 @@ def write_manifest(root: Path, files: dict[GraphKind, str], weights: dict[str, t
     (root / GRAPHS_DIR / MANIFEST_FILE).write_text(json.dumps(body, indent=1))
 
 
+def read_config(path: str | Path) -> NeuronConfig:
+    """The checked `NeuronConfig` of the artifact at ``path``; `ArtifactError` when ``path`` is not an
+    artifact of this toolkit and torch version (the one "is this an artifact" check)."""
+    root = Path(path)
+    if not (root / CONFIG_FILE).is_file():
+        raise ArtifactError(_NOT_AN_ARTIFACT.format(root=root, name=CONFIG_FILE))
+    return load_config_file((root / CONFIG_FILE).read_text())
+
+
 @dataclass(frozen=True)
 class Artifact:
     """An exported model directory, opened and checked."""
@@ -68,13 +94,10 @@ class Artifact:
     def open(cls, path: str | Path) -> Artifact:
         """Open ``path``; `ArtifactError` when anything is missing or does not match."""
         root = Path(path)
-        for name in (CONFIG_FILE, "config.json", WEIGHTS_FILE, f"{GRAPHS_DIR}/{MANIFEST_FILE}"):
+        config = read_config(root)
+        for name in ("config.json", WEIGHTS_FILE, f"{GRAPHS_DIR}/{MANIFEST_FILE}"):
             if not (root / name).is_file():
-                raise ArtifactError(
-                    f"{root} is not an optimum-neuronx artifact: {name} is missing. Export one with "
-                    "`optimum-cli export neuron --model <hf folder> ... <output dir>`."
-                )
-        config = load_config_file((root / CONFIG_FILE).read_text())
+                raise ArtifactError(_NOT_AN_ARTIFACT.format(root=root, name=name))
         manifest = _read_json(root / GRAPHS_DIR / MANIFEST_FILE)
         _check_manifest(root, manifest, [k.value for k in graph_kinds(config)])
         return cls(root, config, manifest)
@@ -101,8 +124,6 @@ class Artifact:
         """The weight set, checked against the signature the graphs were compiled with."""
         path = self.root / WEIGHTS_FILE
         try:
-            with safe_open(str(path), framework="pt") as handle:
-                handle.keys()
             weights = load_file(str(path))
         except Exception as err:  # safetensors raises its own error types on a bad file
             raise ArtifactError(f"cannot read weights {path} ({err}); re-export the model.") from err
@@ -140,3 +161,33 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ArtifactError(f"cannot read {path} ({err}); re-export the model.") from err
+
+
+# --- assembly: what the graphs run on ---------------------------------------------------------
+
+
+def empty_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
+    """The static decoder of ``hf_config`` under ``config`` on the meta device: names and shapes, no memory."""
+    with torch.device("meta"):
+        return build_decoder(hf_config, config.sequence_length, config.max_topk)
+
+
+def assemble(hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tensor]) -> StaticDecoder:
+    """The static decoder bound to ``weights`` (the tensors themselves, no copy), in eval mode."""
+    decoder = empty_decoder(hf_config, config)
+    bind_weights(decoder, weights)
+    return decoder.eval()
+
+
+def allocate_cache(hf_config: Any, config: NeuronConfig, device: str | torch.device) -> list[torch.Tensor]:
+    """The one KV cache of an artifact: K and V per layer, ``[batch_size, kv_heads, sequence_length, head_dim]``."""
+    dims = attention_dims(hf_config)
+    return allocate_kv_cache(
+        hf_config.num_hidden_layers,
+        config.batch_size,
+        dims.kv_heads,
+        config.sequence_length,
+        dims.head_dim,
+        config.torch_dtype,
+        device,
+    )

@@ -1,0 +1,71 @@
+"""What the engine knows about one sequence, and what one engine step produced.
+
+A `Sequence` is owned by the `Engine`: callers read it, only the engine changes it. Its fields are the
+whole bookkeeping of a sequence (there is no second copy anywhere): its KV slot, its tokens (prompt,
+then every token sampled), how many of them are in the cache, and its seeded sampler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SequenceSampler
+
+SeqId = Hashable
+"""A caller's name for a sequence: a vLLM request id, or a key chosen by ``generate()``."""
+
+
+@dataclass
+class Sequence:
+    """One sequence of the engine: tokens, cache progress, slot and sampler."""
+
+    seq_id: SeqId
+    slot: int | None
+    """Its KV slot; None while preempted (it holds no cache rows then)."""
+    tokens: list[int]
+    """The prompt, then every token sampled so far."""
+    prompt_len: int
+    capacity: int
+    """Cache rows of a slot (the artifact's ``sequence_length``)."""
+    sampler: SequenceSampler
+    computed: int = 0
+    """Tokens whose K/V are in the slot's cache: also the cache position the next token is written at."""
+
+    @property
+    def pending(self) -> int:
+        """Tokens not yet in the cache (the last sampled token is always pending)."""
+        return len(self.tokens) - self.computed
+
+    @property
+    def decoding(self) -> bool:
+        """True when the prompt is in the cache and only the last sampled token is pending: the next
+        step feeds that token through the token-generation graph."""
+        return self.computed >= self.prompt_len and self.pending == 1
+
+    @property
+    def full(self) -> bool:
+        """True when the token to feed next has no cache row left: the sequence cannot go on."""
+        return len(self.tokens) > self.capacity
+
+    @property
+    def generated(self) -> list[int]:
+        """The tokens sampled after the prompt."""
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass
+class StepResult:
+    """What one `Engine.step` ran and produced."""
+
+    tokens: dict[SeqId, int] = field(default_factory=dict)
+    """The token each sequence sampled this step: every decode, and every prefill that reached the end
+    of its pending tokens. A prefill that stops short of it samples nothing."""
+    logits: dict[SeqId, torch.Tensor] = field(default_factory=dict)
+    """For each prefill that reached its end: the last token's logits ``[V]`` (fp32, host), sampled above."""
+    decodes: list[SeqId] = field(default_factory=list)
+    """Sequences fed through the token-generation graph, in row order."""
+    prefills: list[tuple[SeqId, int, int]] = field(default_factory=list)
+    """``(seq_id, start, count)`` of every prefill range, in the order they ran."""
