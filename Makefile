@@ -11,7 +11,7 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(OPTIMUM_NEURON_CACHE)/inductor
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install install-xla demo test test-fast test-xla lint docs-check export-fixtures smollm2 clean bench bench-quick
+.PHONY: install install-xla demo test test-fast test-xla test-cuda lint docs-check export-fixtures smollm2 clean bench bench-quick
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ $(XLA_STAMP): pyproject.toml scripts/install_xla.sh
 test-xla: install-xla
 	PJRT_DEVICE=CPU $(VENV_XLA)/bin/python -m pytest -q -m xla tests/contract tests/xla
 	$(VENV_XLA)/bin/python scripts/docs_check.py --venv $(VENV_XLA) docs/xla.md
+
+# The GPU check (docs/cuda.md): .venv-cuda with CUDA torch, the contract suite and benchmarks on --device cuda.
+# Skips (exit 0) where no NVIDIA GPU exists; CI never runs it.
+test-cuda:
+	bash scripts/test_cuda.sh $(PY) .venv-cuda
 
 smollm2: install
 	$(PYTHON) -m optimum.neuron.smollm2 $(OPTIMUM_NEURON_CACHE)/models/smollm2-135m-instruct
@@ -64,4 +69,4 @@ export-fixtures: install
 	$(PYTHON) tests/fixtures/llm/export_models.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VENV_XLA) .cache build *.egg-info
+	rm -rf $(VENV) $(VENV_XLA) .venv-cuda .cache build *.egg-info

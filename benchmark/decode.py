@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmark.machine import copy_bandwidth, describe, read_bandwidth
+from benchmark.machine import check_device, copy_bandwidth, describe, read_bandwidth
 
 RESULTS = Path(__file__).parent / "results"
 SEQUENCE_LENGTH, CHUNK, CONTEXT = 1024, 256, 256
@@ -49,14 +49,14 @@ def measure_ours(artifact: str, batch: int, steps: int) -> list[float]:
     return times[3:]
 
 
-def measure_transformers(model_dir: str, dtype: str, batch: int, steps: int) -> list[float]:
-    """Per-step times (s) of transformers eager decoding with its dynamic KV cache."""
+def measure_transformers(model_dir: str, dtype: str, batch: int, steps: int, device: str = "cpu") -> list[float]:
+    """Per-step times (s) of transformers eager decoding with its dynamic KV cache, on ``device``."""
     from transformers import AutoModelForCausalLM
 
     from optimum.neuron.config import DTYPES
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
-    ids = torch.tensor(_prompts(batch, CONTEXT))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval().to(device)
+    ids = torch.tensor(_prompts(batch, CONTEXT), device=device)
     times = []
     with torch.inference_mode():
         out = model(ids, use_cache=True)
@@ -65,13 +65,14 @@ def measure_transformers(model_dir: str, dtype: str, batch: int, steps: int) -> 
             start = time.perf_counter()
             out = model(token, past_key_values=past, use_cache=True)
             past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            token.cpu()  # the step is over when its token is known (waits for a GPU)
             times.append(time.perf_counter() - start)
     return times[3:]
 
 
 def _worker(spec: dict[str, Any]) -> None:
     if spec["impl"] == "transformers":
-        times = measure_transformers(spec["model_dir"], spec["dtype"], spec["batch"], spec["steps"])
+        times = measure_transformers(spec["model_dir"], spec["dtype"], spec["batch"], spec["steps"], spec["device"])
     else:
         times = measure_ours(spec["artifact"], spec["batch"], spec["steps"])
     print(
@@ -100,7 +101,7 @@ def weight_bytes(model_dir: str, dtype: str) -> int:
     return sum(p.numel() for p in decoder.parameters()) * size
 
 
-def export_for(model_dir: Path, dtype: str, backend: str, batch: int) -> str:
+def export_for(model_dir: Path, dtype: str, backend: str, batch: int, device: str = "cpu") -> str:
     """The benchmarked artifact (cached export)."""
     from optimum.exporters.neuron.cache import cache_root
     from optimum.exporters.neuron.export import export
@@ -112,8 +113,9 @@ def export_for(model_dir: Path, dtype: str, backend: str, batch: int) -> str:
         prefill_chunk_size=CHUNK,
         auto_cast_type=dtype,
         backend=backend,
+        device=device,
     )
-    out = cache_root() / "bench" / f"smollm2-{dtype}-{backend}-b{batch}"
+    out = cache_root() / "bench" / f"smollm2-{dtype}-{backend}-{device}-b{batch}"
     return str(export(model_dir, out, config))
 
 
@@ -123,45 +125,47 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fp32 only, batch 1, 8 steps")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--machine", default="cpu-2core", help="results subfolder name")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both implementations run")
     args = parser.parse_args()
     if args.worker:
         _worker(json.loads(args.worker))
         return
     from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
 
+    check_device(args.device)
     dtypes, batches = (["fp32"], [1]) if args.quick else (["fp32", "bf16"], [1, 4])
     steps = 8 if args.quick else args.steps
     rows = []
-    bandwidth = {"copy": copy_bandwidth(), "read": read_bandwidth()}
+    bandwidth = {"copy": copy_bandwidth(), "read": read_bandwidth()}  # host memory: the floors of a CPU run
     for dtype in dtypes:
         model_dir = convert_smollm2(default_smollm2_dir(dtype), dtype=dtype)
         floor_ms = {k: 1000 * weight_bytes(str(model_dir), dtype) / v for k, v in bandwidth.items()}
         for batch in batches:
-            ref = run_fresh(
-                {"impl": "transformers", "model_dir": str(model_dir), "dtype": dtype, "batch": batch, "steps": steps}
-            )
+            spec = {"model_dir": str(model_dir), "dtype": dtype, "batch": batch, "steps": steps, "device": args.device}
+            ref = run_fresh({"impl": "transformers", **spec})
             rows.append((dtype, batch, "transformers eager", ref, floor_ms, ref["median_ms"]))
             for backend in ("eager", "inductor"):
-                artifact = export_for(model_dir, dtype, backend, batch)
+                artifact = export_for(model_dir, dtype, backend, batch, args.device)
                 got = run_fresh({"impl": "ours", "artifact": artifact, "batch": batch, "steps": steps})
                 rows.append((dtype, batch, f"optimum-neuronx {backend}", got, floor_ms, ref["median_ms"]))
-    write_report(args.machine, rows, bandwidth, steps)
+    write_report(args.machine, rows, bandwidth, steps, args.device)
 
 
-def write_report(machine: str, rows: list, bandwidth: dict[str, float], steps: int) -> None:
+def write_report(machine: str, rows: list, bandwidth: dict[str, float], steps: int, device: str = "cpu") -> None:
     """Markdown table of the results under benchmark/results/<machine>/decode.md."""
     info = describe()
     lines = [
         "# Decode step latency: SmolLM2-135M-Instruct",
         "",
-        f"Command: `.venv/bin/python -m benchmark.decode` ({steps} timed steps after 3 warm-up, context {CONTEXT} "
-        f"tokens, S={SEQUENCE_LENGTH}, C={CHUNK}; each row in a fresh process).",
+        f"Command: `.venv/bin/python -m benchmark.decode --device {device}` ({steps} timed steps after 3 warm-up, "
+        f"context {CONTEXT} tokens, S={SEQUENCE_LENGTH}, C={CHUNK}; each row in a fresh process).",
         "",
         "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()),
         f"Copy bandwidth: {bandwidth['copy'] / 1e9:.1f} GB/s copied (read + write = "
         f"{2 * bandwidth['copy'] / 1e9:.1f} GB/s); read bandwidth (fp32 sum, all threads): "
         f"{bandwidth['read'] / 1e9:.1f} GB/s. Floors = weight bytes / that bandwidth "
-        "(every weight read once per step).",
+        "(every weight read once per step)"
+        + ("; host-memory floors, they do not bound a GPU run." if device != "cpu" else "."),
         "",
         "| dtype | batch | implementation | median ms/step | p90 ms/step | x copy floor | x read floor "
         "| x transformers |",

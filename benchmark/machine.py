@@ -58,3 +58,12 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
         source.sum()
         best = min(best, time.perf_counter() - start)
     return source.numel() * source.element_size() / best
+
+
+def check_device(device: str) -> None:
+    """Refuse ``--device cuda`` up front on a machine without a usable CUDA GPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            "--device cuda needs an NVIDIA GPU with a CUDA build of torch; this machine has none "
+            f"(torch {torch.__version__}). Run with --device cpu, or `make test-cuda` on a GPU machine (docs/cuda.md)."
+        )

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmark.machine import describe
+from benchmark.machine import check_device, describe
 
 RESULTS = Path(__file__).parent / "results"
 PROMPTS = (256, 1024, 4000)
@@ -36,6 +36,7 @@ def _export_worker(spec: dict[str, Any]) -> None:
         sequence_length=spec["sequence_length"],
         prefill_chunk_size=spec["chunk"],
         auto_cast_type=spec["dtype"],
+        device=spec["device"],
     )
     start = time.perf_counter()
     export(spec["model_dir"], spec["out"], config, use_cache=False)
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--sequence-length", type=int, default=4096)
     parser.add_argument("--machine", default="cpu-2core")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     if args.export_worker:
         _export_worker(json.loads(args.export_worker))
@@ -104,16 +106,18 @@ def main() -> None:
     from optimum.exporters.neuron.cache import cache_root
     from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
 
+    check_device(args.device)
     model_dir = str(convert_smollm2(default_smollm2_dir(args.dtype), dtype=args.dtype))
     rows: dict[str, dict[str, Any]] = {}
     for name, chunk in (("chunked", args.chunk), ("context encoding", 0)):
-        out = str(cache_root() / "bench" / f"prefill-{name.replace(' ', '-')}-{args.dtype}")
+        out = str(cache_root() / "bench" / f"prefill-{name.replace(' ', '-')}-{args.dtype}-{args.device}")
         spec = {
             "model_dir": model_dir,
             "out": out,
             "sequence_length": args.sequence_length,
             "chunk": chunk,
             "dtype": args.dtype,
+            "device": args.device,
         }
         rows[name] = {"export": timed_export(spec)}
         rows[name]["ttft"] = ttft(out, args.repeats)
@@ -126,7 +130,8 @@ def write_report(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> N
     lines = [
         f"# Chunked prefill (C={args.chunk}) vs context encoding, SmolLM2-135M {args.dtype}, S={args.sequence_length}",
         "",
-        f"Command: `.venv/bin/python -m benchmark.prefill --dtype {args.dtype} --chunk {args.chunk}`",
+        f"Command: `.venv/bin/python -m benchmark.prefill --dtype {args.dtype} --chunk {args.chunk} "
+        f"--device {args.device}`",
         "",
         "Machine: " + ", ".join(f"{k} {v}" for k, v in describe().items()),
         "",

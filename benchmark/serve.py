@@ -28,7 +28,7 @@ from typing import Any
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from benchmark.machine import copy_bandwidth, describe
+from benchmark.machine import check_device, copy_bandwidth, describe
 from benchmark.serving.configs import CONFIGS, FULL, MIXED_CONFIGS, QUICK, ServeConfig, Workload, export_config
 from benchmark.serving.loadgen import run_idle, run_load, run_mixed
 from benchmark.serving.peers import run_peer
@@ -124,17 +124,6 @@ def run_peers(args: argparse.Namespace, model_dir: Path, gguf: Path | None, work
         llama = {**spec, "peer": "llama.cpp", "gguf": str(gguf), "sequence_length": workload.sequence_length}
         peers[f"llama.cpp ({gguf.name.split('.')[-2]}, one sequence at a time)"] = run_peer(llama)
     return peers
-
-
-def check_device(device: str) -> None:
-    """Refuse ``--device cuda`` up front on a machine without a usable CUDA GPU."""
-    import torch
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(
-            "--device cuda needs an NVIDIA GPU with a CUDA build of torch; this machine has none "
-            f"(torch {torch.__version__}). Run with --device cpu, or on a GPU machine."
-        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -50,7 +50,8 @@ class NeuronConfig:
     backend: str = "inductor"
     """Compile backend: ``inductor`` (AOTInductor packages), ``eager`` (reference), ``xla``, ``neuron``."""
     device: str = "cpu"
-    """Device the graphs run on: ``cpu``, ``cuda`` (inductor/eager) or ``neuron``."""
+    """Device the graphs run on: ``cpu``; ``cuda`` (inductor/eager: written, not yet run on a GPU, see
+    docs/cuda.md); ``neuron`` (xla or neuron backend, not verified)."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
     """Informational metadata written to the JSON (versions, graphs); never affects compilation."""
 

@@ -42,6 +42,7 @@ def _add_field(parser: argparse.ArgumentParser, spec: dataclasses.Field, doc: st
     parser.add_argument(
         flag(spec.name),
         dest=spec.name,
+        metavar=None if spec.name in CHOICES else flag(spec.name).removeprefix("--").upper(),
         type=type(spec.default),
         default=spec.default,
         choices=CHOICES.get(spec.name),

@@ -32,7 +32,7 @@ class Backend(ABC):
             raise BackendUnavailableError(
                 f"--device cuda was requested for the {self.name} backend but torch sees no CUDA device "
                 f"(torch {torch.__version__}): use --device cpu, or run on a machine with an NVIDIA GPU and a CUDA "
-                "build of torch."
+                "build of torch (the CUDA path is written but not yet verified on a GPU: docs/cuda.md, make test-cuda)."
             )
         return device
 

@@ -1,4 +1,5 @@
-"""The inductor backend: ``torch.export`` -> AOTInductor package (``.pt2``) per graph, CPU or CUDA.
+"""The inductor backend: ``torch.export`` -> AOTInductor package (``.pt2``) per graph, CPU (verified) or CUDA
+(written, not yet run on a GPU: docs/cuda.md).
 
 Weights stay out of the package and are bound at load with ``load_constants(user_managed=True)``:
 every graph points at the same tensors. The KV cache is a graph input mutated in place. A runner

@@ -18,7 +18,7 @@ from .base import Backend, GraphFactory, LoadedGraph
 
 _MESSAGE = (
     "the neuron backend needs torch-neuronx and neuronx-distributed on a trn1/inf2/trn2 instance; "
-    "{what}. It is not implemented or verified in this release: use --backend inductor (CPU/CUDA)."
+    "{what}. It is not implemented or verified in this release: use --backend inductor (CPU)."
 )
 
 

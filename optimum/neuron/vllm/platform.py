@@ -54,7 +54,8 @@ def resolve_limits(vllm_config: Any, neuron: NeuronConfig) -> None:
 
 
 class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
-    """Out-of-tree vLLM platform for optimum-neuronx artifacts (CPU / CUDA through their backend)."""
+    """Out-of-tree vLLM platform for optimum-neuronx artifacts (verified for CPU artifacts; it declares a CPU
+    device, so serving a CUDA artifact is neither written nor run: docs/cuda.md)."""
 
     _enum = _PlatformEnum.OOT
     device_name = "optimum-neuronx"
