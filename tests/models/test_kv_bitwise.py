@@ -1,42 +1,30 @@
-"""Invariant 4, bitwise, in bf16 (eager and inductor): a short chunk's padded positions compute exactly the
-real last token's K/V. The checks and why they are needed: `tests/contract/kv_inspection.py` (fp32 runs
-for every backend in the contract suite), and a proof that the inspection can fail."""
+"""Invariant 4, bitwise, in bf16 (eager and inductor): a short chunk writes exactly its real rows, as an
+unpadded chunk would, and its padding only the scratch row. The check: `tests/contract/kv_inspection.py`
+(fp32 runs for every backend in the contract suite); here also a proof that the check can fail."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from optimum.neuron.models.layers import masks
-from tests.contract.kv_inspection import (
-    check_padded_chunk_writes,
-    check_padded_columns,
-    padded_rows_equal_last_real,
-    setup,
-)
+from optimum.neuron.models.layers import attention
+from tests.contract.kv_inspection import START, check_padded_chunk_writes, setup, unchanged_outside
 
 CASES = [("eager", "bf16"), ("inductor", "bf16")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("backend", "dtype"), CASES)
-def test_padded_columns_compute_the_last_real_kv(backend: str, dtype: str) -> None:
-    check_padded_columns(backend, dtype)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("backend", "dtype"), CASES)
-def test_padded_chunk_writes_what_an_unpadded_chunk_writes(backend: str, dtype: str) -> None:
+def test_padded_chunk_writes_only_its_real_rows_bitwise(backend: str, dtype: str) -> None:
     check_padded_chunk_writes(backend, dtype)
 
 
-def test_inspection_detects_padded_queries_that_attend_to_padding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check can fail: with the actual-tokens mask removed, padded queries attend to the padded
-    keys, and from the second layer on their K/V differ from the real last token's."""
+def test_the_check_catches_padding_that_writes_live_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With padded columns writing at positions of their own (start + j) instead of the scratch row, rows past
+    the chunk's real tokens change, and the check sees it."""
     case = setup("eager", "fp32")
-    monkeypatch.setattr(masks, "actual_tokens_mask", lambda ids: torch.ones_like(ids, dtype=torch.bool))
+    spread = lambda positions, scratch: positions[:, :1] + torch.arange(positions.shape[1])  # noqa: E731
+    monkeypatch.setattr(attention, "chunk_write_positions", spread)
     fill = 2
-    before = case.start(case.second[:fill], seed=0)
-    equal = padded_rows_equal_last_real(case.inspected(case.second[:fill], before), fill)
-    assert all(equal[:2]), "layer 0 K/V depend only on token and position"
-    assert not all(equal[2:]), "a broken mask went unnoticed"
+    before, padded = case.shipped(case.second[:fill], seed=0)
+    assert not unchanged_outside(before, padded, START, START + fill), "padding writing live rows went unnoticed"

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optimum.neuron.models.layers.masks import actual_tokens_mask, chunk_mask, decode_mask
+from optimum.neuron.models.layers.masks import actual_tokens_mask, chunk_mask, chunk_write_positions, decode_mask
 from optimum.neuron.runtime.padding import pad_chunk
 
 S, C = 16, 8
@@ -49,6 +49,22 @@ def test_padded_queries_see_exactly_the_last_real_tokens_keys(count: int) -> Non
     for row in range(count, C):
         assert torch.equal(mask[row], mask[count - 1])
     assert not mask[:, S + count :].any(), "a padded key was visible"
+
+
+@pytest.mark.parametrize(("count", "start"), [(1, 0), (3, 5), (C, 8)])
+def test_padded_columns_write_to_the_scratch_row_only(count: int, start: int) -> None:
+    _, positions = pad_chunk(list(range(count)), start, C)
+    writes = chunk_write_positions(positions, scratch=S)[0].tolist()
+    assert writes == list(range(start, start + count)) + [S] * (C - count)
+
+
+def test_no_query_ever_reads_the_scratch_row() -> None:
+    cache_len = S + 1  # S positions + the scratch row
+    for count, start in ((1, 0), (C, 8), (3, S - 3)):
+        _, positions = pad_chunk(list(range(count)), start, C)
+        assert not chunk_mask(positions, cache_len, reads_prior=True)[0, 0, :, S].any()
+    live = torch.arange(S)[:, None]  # every position a live token can decode at
+    assert not decode_mask(live, cache_len)[:, 0, 0, S].any()
 
 
 def test_chunk_mask_without_prior_cache() -> None:

@@ -67,28 +67,18 @@ def test_split_then_pad_covers_consecutive_positions(length: int) -> None:
 
 
 def test_decode_rows_active_rows_carry_token_and_position() -> None:
-    ids, positions = decode_rows(3, {0: (7, 4), 2: (9, 11)}, {0: 4, 1: 0, 2: 11}, sequence_length=32)
+    ids, positions = decode_rows(3, {0: (7, 4), 2: (9, 11)}, sequence_length=32)
     assert ids[:, 0].tolist() == [7, 0, 9]
-    assert positions[:, 0].tolist() == [4, 0, 11]
+    assert positions[:, 0].tolist() == [4, 32, 11]
     assert ids.shape == positions.shape == (3, 1)
 
 
-def test_decode_rows_inactive_row_writes_at_its_next_free_position() -> None:
-    # slot 1 is half-way through its chunked prefill: 16 positions written, it must not be overwritten below 16
-    _, positions = decode_rows(2, {0: (5, 3)}, {0: 3, 1: 16}, sequence_length=32)
-    assert positions[1, 0].item() == 16
+def test_decode_rows_without_a_decoding_sequence_write_to_the_scratch_row() -> None:
+    # free slots, slots half-way through their prefill, sequences not scheduled: position S, the scratch row
+    _, positions = decode_rows(4, {1: (5, 3)}, sequence_length=32)
+    assert positions[:, 0].tolist() == [32, 3, 32, 32]
 
 
-def test_decode_rows_inactive_position_clamped_to_last_cache_position() -> None:
-    _, positions = decode_rows(2, {0: (5, 3)}, {0: 3, 1: 32}, sequence_length=32)
-    assert positions[1, 0].item() == 31
-
-
-def test_decode_rows_unknown_slot_writes_at_position_zero() -> None:
-    _, positions = decode_rows(3, {1: (5, 3)}, {}, sequence_length=32)
-    assert positions[:, 0].tolist() == [0, 3, 0]
-
-
-def test_decode_rows_active_position_wins_over_next_free() -> None:
-    _, positions = decode_rows(1, {0: (5, 9)}, {0: 2}, sequence_length=32)
-    assert positions[0, 0].item() == 9
+def test_decode_rows_with_nothing_to_decode() -> None:
+    ids, positions = decode_rows(2, {}, sequence_length=8)
+    assert ids[:, 0].tolist() == [0, 0] and positions[:, 0].tolist() == [8, 8]

@@ -157,12 +157,11 @@ class Engine:
             )
 
     def _decode(self, decodes: list[Sequence], result: StepResult) -> None:
-        """One token-generation call: row b is KV slot b; rows without a decoding sequence write at their
-        slot's next free position, where nothing live reads (invariant 9)."""
+        """One token-generation call: row b is KV slot b; rows without a decoding sequence write to their
+        slot's scratch row, which nothing reads (invariant 9)."""
         by_slot = {_held(s): s for s in decodes}
         active = {slot: (s.tokens[-1], s.computed) for slot, s in by_slot.items()}
-        next_free = {s.slot: s.computed for s in self._sequences.values() if s.slot is not None}
-        ids, positions = decode_rows(self.config.batch_size, active, next_free, self.config.sequence_length)
+        ids, positions = decode_rows(self.config.batch_size, active, self.config.sequence_length)
         rows = [by_slot[slot].sampler if slot in by_slot else None for slot in range(self.config.batch_size)]
         inputs = {"input_ids": ids, "position_ids": positions}
         if self.config.on_device_sampling:

@@ -31,19 +31,16 @@ def split_chunks(token_ids: list[int], start: int, size: int) -> list[tuple[list
 
 
 def decode_rows(
-    batch_size: int, active: dict[int, tuple[int, int]], next_free: dict[int, int], sequence_length: int
+    batch_size: int, active: dict[int, tuple[int, int]], sequence_length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs of the token-generation graph: row ``b`` is KV slot ``b``.
 
-    ``active`` maps slot -> (token id, position) for the rows that decode. Every other row writes
-    where nothing live reads (invariant 9): at that slot's next free position from ``next_free``
-    (overwritten by its next real write), or position 0 of a slot that holds nothing.
+    ``active`` maps slot -> (token id, position) for the rows that decode. Every other row (a free
+    slot, a slot half-way through its prefill, a sequence not scheduled this step) is token 0 at the
+    slot's scratch position ``sequence_length``, which nothing reads (invariant 9).
     """
     ids = torch.zeros(batch_size, 1, dtype=torch.long)
-    positions = torch.zeros(batch_size, 1, dtype=torch.long)
-    for slot in range(batch_size):
-        if slot in active:
-            ids[slot, 0], positions[slot, 0] = active[slot]
-        else:
-            positions[slot, 0] = min(next_free.get(slot, 0), sequence_length - 1)
+    positions = torch.full((batch_size, 1), sequence_length, dtype=torch.long)
+    for slot, (token, position) in active.items():
+        ids[slot, 0], positions[slot, 0] = token, position
     return ids, positions

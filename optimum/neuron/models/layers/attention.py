@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kv_cache import read_slot, write_rows
-from .masks import chunk_mask, decode_mask
+from .kv_cache import read_slot, scratch_position, write_rows
+from .masks import chunk_mask, chunk_write_positions, decode_mask
 from .norm import RMSNorm
 from .rope import apply_rotary
 
@@ -31,10 +31,11 @@ class AttentionDims:
 
 @dataclass
 class DecodeContext:
-    """Token generation: row ``b`` of the batch is KV slot ``b`` and writes at ``positions[b]``."""
+    """Token generation: row ``b`` of the batch is KV slot ``b`` and writes at ``positions[b]`` (a row
+    without a decoding sequence comes at the scratch position: `runtime.padding.decode_rows`)."""
 
     positions: torch.Tensor  # [B, 1]
-    mask: torch.Tensor  # [B, 1, 1, S]
+    mask: torch.Tensor  # [B, 1, 1, S + 1]
 
     @classmethod
     def build(cls, position_ids: torch.Tensor, cache_len: int) -> DecodeContext:
@@ -50,18 +51,20 @@ class DecodeContext:
 
 @dataclass
 class ChunkContext:
-    """A prefill chunk of slot ``seq_ids[0]``; keys are ``[slot cache | chunk]`` (invariant 4)."""
+    """A prefill chunk of slot ``seq_ids[0]``; keys are ``[slot cache | chunk]``; padded columns write
+    to the slot's scratch row (invariant 4)."""
 
     seq_ids: torch.Tensor  # [1]
-    positions: torch.Tensor  # [1, C]
-    mask: torch.Tensor  # [1, 1, C, S + C] or [1, 1, C, C]
+    positions: torch.Tensor  # [1, C]: where each column writes
+    mask: torch.Tensor  # [1, 1, C, S + 1 + C] or [1, 1, C, C]
     reads_prior: bool
 
     @classmethod
     def build(
         cls, seq_ids: torch.Tensor, position_ids: torch.Tensor, cache_len: int, reads_prior: bool
     ) -> ChunkContext:
-        return cls(seq_ids, position_ids, chunk_mask(position_ids, cache_len, reads_prior), reads_prior)
+        writes = chunk_write_positions(position_ids, scratch_position(cache_len))
+        return cls(seq_ids, writes, chunk_mask(position_ids, cache_len, reads_prior), reads_prior)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[torch.Tensor]) -> torch.Tensor:
         """Attend over the slot's earlier cache and the chunk's own K/V, then store the chunk's K/V."""

@@ -1,4 +1,5 @@
-"""Attention masks (boolean, True = attend). The only place masking rules live (invariant 4).
+"""Attention masks and the write positions of a chunk (boolean masks, True = attend). The only place
+masking rules live (invariant 4).
 
 Masked positions are excluded by the attention kernel; no dtype minimum is ever fed to ``exp``
 (invariant 7).
@@ -16,13 +17,19 @@ def actual_tokens_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat((first, position_ids[:, 1:] > position_ids[:, :-1]), dim=1)
 
 
-def chunk_mask(position_ids: torch.Tensor, cache_len: int, reads_prior: bool) -> torch.Tensor:
-    """Mask of a prefill chunk ``position_ids [1, C]`` over keys ``[cache (S) | chunk (C)]``.
+def chunk_write_positions(position_ids: torch.Tensor, scratch: int) -> torch.Tensor:
+    """Where each column of a prefill chunk ``position_ids [1, C]`` writes its K/V: its position when the
+    token is real, the slot's scratch row ``scratch`` when it is padding (invariant 4)."""
+    return torch.where(actual_tokens_mask(position_ids), position_ids, torch.full_like(position_ids, scratch))
 
-    A query attends to cache positions before the chunk's first position, and to chunk keys that
-    are causal and real. A padded query (duplicate of the last real token) therefore sees exactly
-    the keys the real last token sees. Without ``reads_prior`` only the chunk part is returned.
-    Result: ``[1, 1, C, S + C]`` (or ``[1, 1, C, C]``).
+
+def chunk_mask(position_ids: torch.Tensor, cache_len: int, reads_prior: bool) -> torch.Tensor:
+    """Mask of a prefill chunk ``position_ids [1, C]`` over keys ``[cache (cache_len) | chunk (C)]``.
+
+    A query attends to cache positions before the chunk's first position (never the scratch row), and
+    to chunk keys that are causal and real. A padded query (duplicate of the last real token) therefore
+    sees exactly the keys the real last token sees. Without ``reads_prior`` only the chunk part is
+    returned. Result: ``[1, 1, C, cache_len + C]`` (or ``[1, 1, C, C]``).
     """
     tokens = position_ids.shape[1]
     index = torch.arange(tokens, device=position_ids.device)
@@ -36,7 +43,7 @@ def chunk_mask(position_ids: torch.Tensor, cache_len: int, reads_prior: bool) ->
 
 
 def decode_mask(position_ids: torch.Tensor, cache_len: int) -> torch.Tensor:
-    """Mask of one new token per slot, ``position_ids [B, 1]``: cache keys up to its own position.
-    Result: ``[B, 1, 1, S]``."""
+    """Mask of one new token per slot, ``position_ids [B, 1]``: cache keys up to its own position (a live
+    token's position is below the scratch row). Result: ``[B, 1, 1, cache_len]``."""
     keys = torch.arange(cache_len, device=position_ids.device)
     return (keys[None, :] <= position_ids)[:, None, None, :]
