@@ -6,7 +6,7 @@ An artifact directory holds::
     config.json, generation_config.json, tokenizer files    (transformers)
     neuron_config.json                                      (NeuronConfig + versions + graph list)
     model.safetensors                                       (the one weight set, target dtype)
-    graphs/<kind><suffix>                                   (one compiled graph per kind)
+    graphs/<name><suffix>                                   (one compiled graph per GraphSpec)
     graphs/manifest.json                                    (sha256 of each graph file, weight shapes)
 
 *Assembling* is the same for export and run: the static decoder is built on the meta device (no
@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from .config import CONFIG_FILE, NeuronConfig, load_config_file
 from .errors import ArtifactError
-from .graphs import GraphKind, graph_kinds
+from .graphs import graph_specs
 from .models.base import StaticDecoder, attention_dims
 from .models.layers.kv_cache import allocate_kv_cache
 from .models.registry import build_decoder
@@ -45,9 +45,9 @@ _NOT_AN_ARTIFACT = (
 # --- layout and manifest ----------------------------------------------------------------------
 
 
-def graph_file(kind: GraphKind, suffix: str) -> str:
-    """Relative path of graph ``kind`` inside an artifact."""
-    return f"{GRAPHS_DIR}/{kind.value}{suffix}"
+def graph_file(name: str, suffix: str) -> str:
+    """Relative path of the graph called ``name`` (`GraphSpec.name`) inside an artifact."""
+    return f"{GRAPHS_DIR}/{name}{suffix}"
 
 
 def sha256_of(path: Path) -> str:
@@ -64,10 +64,10 @@ def weight_signature(weights: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
     return {name: [list(t.shape), str(t.dtype)] for name, t in sorted(weights.items())}
 
 
-def write_manifest(root: Path, files: dict[GraphKind, str], weights: dict[str, torch.Tensor]) -> None:
-    """Record each graph file's hash and the weight signature the graphs were compiled against."""
+def write_manifest(root: Path, files: dict[str, str], weights: dict[str, torch.Tensor]) -> None:
+    """Record each graph file's hash (by graph name) and the weight signature the graphs were compiled against."""
     body = {
-        "graphs": {kind.value: {"file": f, "sha256": sha256_of(root / f)} for kind, f in files.items()},
+        "graphs": {name: {"file": f, "sha256": sha256_of(root / f)} for name, f in files.items()},
         "weights": weight_signature(weights),
     }
     (root / GRAPHS_DIR / MANIFEST_FILE).write_text(json.dumps(body, indent=1))
@@ -99,7 +99,7 @@ class Artifact:
             if not (root / name).is_file():
                 raise ArtifactError(_NOT_AN_ARTIFACT.format(root=root, name=name))
         manifest = _read_json(root / GRAPHS_DIR / MANIFEST_FILE)
-        _check_manifest(root, manifest, [k.value for k in graph_kinds(config)])
+        _check_manifest(root, manifest, [spec.name for spec in graph_specs(config)])
         return cls(root, config, manifest)
 
     def hf_config(self) -> Any:
@@ -108,11 +108,11 @@ class Artifact:
 
         return AutoConfig.from_pretrained(self.root)
 
-    def graph_path(self, kind: GraphKind) -> Path:
-        """Path of graph ``kind``, checked against its recorded hash."""
-        entry = self.manifest["graphs"].get(kind.value)
+    def graph_path(self, name: str) -> Path:
+        """Path of the graph called ``name``, checked against its recorded hash."""
+        entry = self.manifest["graphs"].get(name)
         if entry is None:
-            raise ArtifactError(f"{self.root} has no {kind.value} graph; it was exported with other flags.")
+            raise ArtifactError(f"{self.root} has no {name} graph; it was exported with other flags.")
         path = self.root / entry["file"]
         if not path.is_file():
             raise ArtifactError(f"graph file {path} is missing; re-export the model.")

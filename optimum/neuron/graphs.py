@@ -33,7 +33,8 @@ class GraphKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class GraphSpec:
-    """The static shape contract of one compiled graph, derived from a `NeuronConfig`."""
+    """One compiled graph of an artifact: its kind and static shape contract, derived from a `NeuronConfig`.
+    An artifact may hold several graphs of one kind (variants); `name` tells them apart."""
 
     kind: GraphKind
     batch: int
@@ -44,6 +45,16 @@ class GraphSpec:
     """True when the graph returns sampled token ids instead of logits."""
     reads_prior_cache: bool
     """True when queries may attend to cache positions written by earlier calls."""
+
+    @property
+    def name(self) -> str:
+        """The graph's name in its artifact (file name, manifest key, engine table, logs)."""
+        return self.kind.value
+
+
+def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
+    """Every graph of an artifact built from ``config``, prefill first."""
+    return tuple(graph_spec(config, kind) for kind in graph_kinds(config))
 
 
 def graph_kinds(config: NeuronConfig) -> tuple[GraphKind, ...]:
@@ -66,13 +77,12 @@ def graph_spec(config: NeuronConfig, kind: GraphKind) -> GraphSpec:
     return GraphSpec(kind, 1, config.sequence_length, False, False)
 
 
-def example_inputs(config: NeuronConfig, kind: GraphKind, vocab_size: int) -> dict[str, torch.Tensor]:
-    """Per-call inputs of graph ``kind`` (the KV cache is passed separately), valid for tracing."""
-    spec = graph_spec(config, kind)
+def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
+    """Per-call inputs of graph ``spec`` (the KV cache is passed separately), valid for tracing."""
     ids = torch.zeros(spec.batch, spec.tokens, dtype=torch.long)
     positions = torch.arange(spec.tokens, dtype=torch.long).expand(spec.batch, -1).contiguous()
     inputs = {"input_ids": ids, "position_ids": positions}
-    if kind.is_prefill:
+    if spec.kind.is_prefill:
         inputs["seq_ids"] = torch.zeros(1, dtype=torch.long)
     if spec.samples_on_device:
         inputs.update(sampling_inputs(spec.batch))

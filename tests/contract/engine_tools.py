@@ -13,7 +13,6 @@ import torch
 
 from optimum.neuron import NeuronModelForCausalLM
 from optimum.neuron.artifact import Artifact
-from optimum.neuron.graphs import GraphKind
 from optimum.neuron.runtime.engine import Engine
 from optimum.neuron.runtime.generate import generate_tokens
 from optimum.neuron.runtime.sampling import SamplingParams
@@ -68,20 +67,20 @@ class Recorder:
     """Wraps an engine's graphs to record what each call receives."""
 
     def __init__(self, engine: Engine) -> None:
-        self.calls: list[tuple[GraphKind, tuple]] = []
-        for kind, graph in list(engine.graphs.items()):
-            engine.graphs[kind] = self._wrap(kind, graph)
+        self.calls: list[tuple[str, tuple]] = []
+        for name, graph in list(engine.graphs.items()):
+            engine.graphs[name] = self._wrap(name, graph)
 
-    def _wrap(self, kind: GraphKind, graph: Any) -> Any:
+    def _wrap(self, name: str, graph: Any) -> Any:
         def call(*args: Any) -> torch.Tensor:
-            self.calls.append((kind, args))
+            self.calls.append((name, args))
             return graph(*args)
 
         return call
 
-    def signatures(self, kind: GraphKind) -> set[Signature]:
-        """The distinct (shape, dtype) signatures graph ``kind`` was called with."""
-        return {tuple((tuple(t.shape), t.dtype) for t in flat_tensors(a)) for k, a in self.calls if k is kind}
+    def signatures(self, name: str) -> set[Signature]:
+        """The distinct (shape, dtype) signatures the graph called ``name`` was called with."""
+        return {tuple((tuple(t.shape), t.dtype) for t in flat_tensors(a)) for n, a in self.calls if n == name}
 
     def caches(self) -> list[list[torch.Tensor]]:
         """The KV cache list each call received."""
@@ -122,19 +121,19 @@ def private_tensor_shapes(engine: Engine) -> set[tuple[int, ...]]:
     weights and constants an xla graph binds."""
     backend = engine.config.backend
     if backend == "eager":
-        engine._module(GraphKind.TOKEN_GENERATION)  # builds the shared decoder if no call did yet
+        engine._module(next(iter(engine.specs.values())))  # builds the shared decoder if no call did yet
         assert engine._decoder is not None
         return {tuple(t.shape) for t in engine._decoder.state_dict().values()}
     shapes: set[tuple[int, ...]] = set()
-    for kind in engine.graphs:
+    for name in engine.graphs:
         if backend == "xla":
             from optimum.neuron.backends.xla_graph import ParameterMap
 
-            spec = ParameterMap.read(engine.artifact.graph_path(kind))
+            spec = ParameterMap.read(engine.artifact.graph_path(name))
             shapes |= {tuple(p.shape) for p in spec.parameters if p.source in ("weight", "constant")}
             continue
-        package = torch._inductor.aoti_load_package(str(engine.artifact.graph_path(kind)))
+        package = torch._inductor.aoti_load_package(str(engine.artifact.graph_path(name)))
         names = set(package.get_constant_fqns())
-        assert names <= set(engine.weights), f"{kind.value} holds constants that are not weights"
+        assert names <= set(engine.weights), f"{name} holds constants that are not weights"
         shapes |= {tuple(engine.weights[n].shape) for n in names}
     return shapes

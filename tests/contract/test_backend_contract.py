@@ -79,10 +79,11 @@ def test_graphs_are_called_with_their_static_shapes_only(backend: str) -> None:
             engine.release(index)
     for work in ({3: 1}, {4: 1}, {3: 1, 4: 1}):  # one token-generation call each
         engine.step(work)
-    for kind in (GraphKind.CHUNKED_PREFILL, GraphKind.TOKEN_GENERATION):
-        example = graph_args(kind, example_inputs(engine.config, kind, engine.hf_config.vocab_size), engine.kv_cache)
+    assert [s.kind for s in engine.specs.values()] == [GraphKind.CHUNKED_PREFILL, GraphKind.TOKEN_GENERATION]
+    for name, spec in engine.specs.items():
+        example = graph_args(spec.kind, example_inputs(spec), engine.kv_cache)
         expected = {tuple((tuple(t.shape), t.dtype) for t in flat_tensors(example))}
-        assert recorder.signatures(kind) == expected, f"{kind.value} was called with other shapes than its spec"
+        assert recorder.signatures(name) == expected, f"{name} was called with other shapes than its spec"
     assert len(recorder.calls) == 8 + 3, "unexpected number of graph calls"
     assert compiles(backend) - before <= len(engine.graphs), "a graph was compiled more than once"
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from optimum.neuron.artifact import Artifact
-from optimum.neuron.graphs import graph_kinds
 from optimum.neuron.runtime.engine import Engine
 from optimum.neuron.runtime.sampling import SamplingParams
 from tests.contract.engine_tools import GREEDY, fixture_name, prompt
@@ -46,7 +45,7 @@ def test_one_compile_per_graph_no_fallback_cache_aliased(chunked: bool) -> None:
     assert xla_compat.compile_count() == 0, "export or load compiled a graph"
     engine = Engine(artifact)
     drive(engine)
-    graphs = len(graph_kinds(engine.config))
+    graphs = len(engine.graphs)
     assert xla_compat.compile_count() == graphs, f"{xla_compat.compile_count()} compiles for {graphs} graphs"
     assert xla_compat.fallback_ops() == {}, "ops fell back to the CPU"
     assert xla_compat.alias_count() == graphs * len(engine.kv_cache), "a KV cache tensor was copied, not donated"

@@ -28,7 +28,7 @@ from ...neuron.artifact import (
 from ...neuron.backends import get_backend
 from ...neuron.config import CONFIG_FILE, NeuronConfig
 from ...neuron.errors import UnsupportedModelError, WeightLoadingError
-from ...neuron.graphs import GraphKind, example_inputs, graph_args, graph_kinds, graph_spec
+from ...neuron.graphs import GraphSpec, example_inputs, graph_args, graph_specs
 from ...neuron.models.base import StaticDecoder, graph_module
 from ...neuron.models.registry import supported_model_types
 from ...neuron.progress import StepProgress
@@ -119,27 +119,25 @@ def _replace_file(source: str, target: str) -> str:
 
 def _build(model_dir: Path, out: Path, config: NeuronConfig, device: str | torch.device) -> None:
     backend = get_backend(config.backend)
-    kinds = graph_kinds(config)
+    specs = graph_specs(config)
     (out / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
-    with StepProgress(f"export {model_dir.name} ({config.backend}, {config.device})", 2 + len(kinds)) as bar:
+    with StepProgress(f"export {model_dir.name} ({config.backend}, {config.device})", 2 + len(specs)) as bar:
         with bar.step("load checkpoint"):
             hf_config = _hf_config(model_dir)
             decoder, weights = load_decoder(hf_config, model_dir, config, device)
             kv_cache = allocate_cache(hf_config, config, device)
-        files: dict[GraphKind, str] = {}
-        for kind in kinds:
-            files[kind] = graph_file(kind, backend.suffix)
-            with bar.step(f"trace + compile {kind.value} {_shape(config, kind)}"):
-                spec = graph_spec(config, kind)
-                inputs = {k: v.to(device) for k, v in example_inputs(config, kind, hf_config.vocab_size).items()}
-                backend.compile(
-                    graph_module(decoder, spec).eval(), graph_args(kind, inputs, kv_cache), out / files[kind]
-                )
+        files: dict[str, str] = {}
+        for spec in specs:
+            files[spec.name] = graph_file(spec.name, backend.suffix)
+            with bar.step(f"trace + compile {spec.name} {_shape(spec)}"):
+                inputs = {k: v.to(device) for k, v in example_inputs(spec).items()}
+                args = graph_args(spec.kind, inputs, kv_cache)
+                backend.compile(graph_module(decoder, spec).eval(), args, out / files[spec.name])
         with bar.step("write artifact"):
             save_file({k: v.cpu() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
             write_manifest(out, files, weights)
             _copy_hf_files(model_dir, out, hf_config)
-            (out / CONFIG_FILE).write_text(config.to_json([k.value for k in kinds]))
+            (out / CONFIG_FILE).write_text(config.to_json([spec.name for spec in specs]))
 
 
 def _hf_config(model_dir: Path) -> Any:
@@ -166,8 +164,7 @@ def load_decoder(
     return assemble(hf_config, config, weights), weights
 
 
-def _shape(config: NeuronConfig, kind: GraphKind) -> str:
-    spec = graph_spec(config, kind)
+def _shape(spec: GraphSpec) -> str:
     return f"[{spec.batch}, {spec.tokens}]"
 
 

@@ -25,7 +25,7 @@ import torch
 from ..artifact import Artifact, allocate_cache, assemble
 from ..backends import get_backend
 from ..errors import InputError
-from ..graphs import GraphKind, graph_args, graph_kinds, graph_spec, prefill_kind
+from ..graphs import GraphKind, GraphSpec, graph_args, graph_specs, prefill_kind
 from ..models.base import StaticDecoder, graph_module
 from .padding import decode_rows, pad_chunk, split_chunks
 from .sampling import SamplingParams, SequenceSampler, sample_on_host, sampling_tensors
@@ -47,16 +47,22 @@ class Engine:
         self.slots = SlotTable(self.config.batch_size)
         self._sequences: dict[SeqId, Sequence] = {}
         self._decoder: StaticDecoder | None = None
+        self.specs = {spec.name: spec for spec in graph_specs(self.config)}
+        """Every graph of the artifact, by name."""
         self.graphs = {
-            kind: backend.load(artifact.graph_path(kind), self.weights, partial(self._module, kind))
-            for kind in graph_kinds(self.config)
+            name: backend.load(artifact.graph_path(name), self.weights, partial(self._module, spec))
+            for name, spec in self.specs.items()
         }
 
-    def _module(self, kind: GraphKind) -> torch.nn.Module:
-        """The eager module of graph ``kind`` bound to the shared weights (backends that run model code)."""
+    def _module(self, spec: GraphSpec) -> torch.nn.Module:
+        """The eager module of graph ``spec`` bound to the shared weights (backends that run model code)."""
         if self._decoder is None:
             self._decoder = assemble(self.hf_config, self.config, self.weights)
-        return graph_module(self._decoder, graph_spec(self.config, kind)).eval()
+        return graph_module(self._decoder, spec).eval()
+
+    def _graph(self, kind: GraphKind) -> GraphSpec:
+        """The graph of ``kind`` that runs this call (an artifact has one per kind)."""
+        return next(spec for spec in self.specs.values() if spec.kind is kind)
 
     @property
     def prefill_kind(self) -> GraphKind:
@@ -166,7 +172,7 @@ class Engine:
         inputs = {"input_ids": ids, "position_ids": positions}
         if self.config.on_device_sampling:
             inputs.update(sampling_tensors(rows, self.config.max_topk))
-        out = self._call(GraphKind.TOKEN_GENERATION, inputs)
+        out = self._call(self._graph(GraphKind.TOKEN_GENERATION), inputs)
         tokens = out.cpu() if self.config.on_device_sampling else sample_on_host(out, rows, self.config.max_topk)
         for slot, sequence in by_slot.items():
             self._append(sequence, int(tokens[slot]), result)
@@ -190,11 +196,11 @@ class Engine:
         """One prefill-graph call on up to one chunk of real tokens; the last real token's logits ``[V]``."""
         ids, positions = pad_chunk(token_ids, start, self.chunk_size)
         inputs = {"input_ids": ids, "position_ids": positions, "seq_ids": torch.tensor([slot])}
-        return self._call(self.prefill_kind, inputs)[0].float().cpu()
+        return self._call(self._graph(self.prefill_kind), inputs)[0].float().cpu()
 
-    def _call(self, kind: GraphKind, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _call(self, spec: GraphSpec, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         placed = {k: v.to(self.device) for k, v in inputs.items()}
-        return self.graphs[kind](*graph_args(kind, placed, self.kv_cache))
+        return self.graphs[spec.name](*graph_args(spec.kind, placed, self.kv_cache))
 
     @staticmethod
     def _append(sequence: Sequence, token: int, result: StepResult) -> None:

@@ -44,7 +44,7 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
             artifact.root,
             c.backend,
             c.device,
-            [k.value for k in engine.graphs],
+            list(engine.graphs),
             c.batch_size,
             c.sequence_length,
             c.prefill_chunk_size,
