@@ -23,7 +23,7 @@ def subprocess_test(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if os.environ.get(_CHILD) == "1":
             return fn(*args, **kwargs)
-        node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
+        node = _without_xdist_group(os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0])
         env = {**os.environ, _CHILD: "1"}
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", node]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -35,6 +35,12 @@ def subprocess_test(fn: Callable[..., Any]) -> Callable[..., Any]:
         return None
 
     return wrapper
+
+
+def _without_xdist_group(node: str) -> str:
+    """The node id pytest can select: under ``--dist loadgroup`` xdist appends ``@<group>`` to the ids of
+    grouped tests (after any parametrization brackets)."""
+    return node[: node.rfind("@")] if node.rfind("@") > node.rfind("]") else node
 
 
 def _failure_report(stdout: str) -> str:
