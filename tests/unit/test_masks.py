@@ -1,4 +1,5 @@
-"""Attention masks (invariants 4 and 7): actual-tokens mask, chunk mask, decode mask, finite softmax."""
+"""Attention masks (invariants 4 and 7): actual-tokens mask, chunk mask, decode mask, their sliding-window
+forms, finite softmax."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optimum.neuron.models.layers.masks import actual_tokens_mask, chunk_mask, chunk_write_positions, decode_mask
+from optimum.neuron.models.layers.masks import (
+    actual_tokens_mask,
+    chunk_mask,
+    chunk_window_mask,
+    chunk_write_positions,
+    decode_mask,
+    decode_window_mask,
+)
 from optimum.neuron.runtime.padding import pad_chunk
 
 S, C = 16, 8
@@ -111,3 +119,73 @@ def test_decode_softmax_is_finite_at_position_zero(dtype: torch.dtype) -> None:
     assert torch.isfinite(weights).all()
     assert weights[0, 0, 0, 0].item() == pytest.approx(1.0, abs=1e-2)
     assert (weights[0, 0, 0, 1:] == 0).all()
+
+
+# --- sliding window: a query at position p sees keys in (p - window, p] ------------------------------------
+
+WINDOWS = [3, C, C + 4]  # smaller than a chunk, equal to it, between one and two chunks
+WINDOW_CHUNKS = [(1, 0), (C, 0), (3, 5), (C, 8), (C - 1, 9), (5, S - 5)]
+
+
+def reference_window_mask(positions: list[int], cache_len: int, window: int) -> torch.Tensor:
+    """The sliding-window rule key by key, with keys ``[cache positions | chunk positions]``: the chunk rule
+    of `reference_chunk_mask`, and the key's position above the query's minus the window."""
+    full = reference_chunk_mask(positions, cache_len)[0, 0]
+    keys = list(range(cache_len)) + positions
+    rows = [
+        [bool(full[i, j]) and keys[j] > positions[i] - window for j in range(len(keys))] for i in range(len(positions))
+    ]
+    return torch.tensor(rows)[None, None]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize(("count", "start"), WINDOW_CHUNKS)
+def test_chunk_window_mask_matches_rule(count: int, start: int, window: int) -> None:
+    _, positions = pad_chunk(list(range(count)), start, C)
+    mask = chunk_window_mask(positions, S + 1, True, window)
+    assert mask.shape == (1, 1, C, S + 1 + C) and mask.dtype == torch.bool
+    assert torch.equal(mask, reference_window_mask(positions[0].tolist(), S + 1, window))
+    inside = chunk_window_mask(positions, S + 1, False, window)
+    assert torch.equal(inside, reference_window_mask(positions[0].tolist(), 0, window))
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_chunk_straddling_the_window_edge_drops_exactly_the_old_keys(window: int) -> None:
+    start = 7  # the chunk covers positions 7..14: the window's lower edge moves through the cache and the chunk
+    _, positions = pad_chunk(list(range(C)), start, C)
+    mask = chunk_window_mask(positions, S + 1, True, window)[0, 0]
+    for i, p in enumerate(range(start, start + C)):
+        cache_keys = [k for k in range(S + 1) if mask[i, k]]
+        chunk_keys = [start + j for j in range(C) if mask[i, S + 1 + j]]
+        assert cache_keys + chunk_keys == list(range(max(0, p - window + 1), p + 1)), f"query at {p}"
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("count", [1, 3, C - 1])
+def test_padded_queries_see_the_last_real_tokens_window(count: int, window: int) -> None:
+    _, positions = pad_chunk(list(range(count)), 5, C)
+    mask = chunk_window_mask(positions, S + 1, True, window)[0, 0]
+    for row in range(count, C):
+        assert torch.equal(mask[row], mask[count - 1])
+    assert not mask[:, S].any(), "the scratch row was visible"
+    assert not mask[:, S + 1 + count :].any(), "a padded key was visible"
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_decode_window_mask_reads_the_last_window_positions(window: int) -> None:
+    live = torch.arange(S)[:, None]
+    mask = decode_window_mask(live, S + 1, window)
+    assert mask.shape == (S, 1, 1, S + 1)
+    for p in range(S):
+        assert mask[p, 0, 0].nonzero()[:, 0].tolist() == list(range(max(0, p - window + 1), p + 1))
+    # an idle row sits at the scratch position: its output is discarded, it only needs a non-empty softmax row
+    idle = decode_window_mask(torch.tensor([[S]]), S + 1, window)[0, 0, 0]
+    assert idle.nonzero()[:, 0].tolist() == list(range(max(0, S - window + 1), S + 1))
+
+
+def test_window_never_empties_a_row() -> None:
+    """The key at a query's own position is always inside its window: no all-masked softmax row."""
+    for count, start in WINDOW_CHUNKS:
+        _, positions = pad_chunk(list(range(count)), start, C)
+        assert chunk_window_mask(positions, S + 1, True, 1)[0, 0].any(dim=-1).all()
+    assert decode_window_mask(torch.arange(S + 1)[:, None], S + 1, 1).any(dim=-1).all()

@@ -12,11 +12,17 @@ import torch
 from torch import nn
 
 from ..graphs import GraphKind, GraphSpec
-from .family import Family
-from .layers.attention import Attention, AttentionContext, AttentionDims, ChunkContext, DecodeContext
-from .layers.mlp import GatedMLP
-from .layers.norm import RMSNorm
-from .layers.rope import Rotary
+from .family import Family, layer_windows
+from .layers.attention import (
+    Attention,
+    AttentionContext,
+    AttentionDims,
+    AttentionOptions,
+    ChunkContext,
+    DecodeContext,
+)
+from .layers.mlp import FusedGatedMLP, GatedMLP
+from .layers.rope import Rotary, RotaryPerType
 from .layers.sampling import sample_tokens
 
 
@@ -28,30 +34,57 @@ def attention_dims(hf_config: Any) -> AttentionDims:
     return AttentionDims(hf_config.hidden_size, heads, kv_heads, head_dim)
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: attention then gated MLP, each with a residual."""
+def attention_of(family: Family, hf_config: Any, index: int) -> Attention:
+    """Layer ``index``'s attention: the family's biases, q/k norm, fused projection, scale and window."""
+    eps = hf_config.rms_norm_eps
+    options = AttentionOptions(
+        qkv_bias=family.qkv_bias(hf_config),
+        o_bias=family.o_bias(hf_config),
+        qk_norm=(lambda size: family.norm(size, eps)) if family.qk_norm else None,
+        fused_qkv=family.fused_qkv,
+        scale=family.attention_scale(hf_config),
+        window=layer_windows(family, hf_config)[index],
+    )
+    return Attention(attention_dims(hf_config), options)
 
-    def __init__(self, family: Family, hf_config: Any) -> None:
+
+def dense_mlp(family: Family, hf_config: Any) -> nn.Module:
+    """The gated MLP of ``intermediate_size`` (fused gate/up for families whose checkpoints fuse it)."""
+    hidden, intermediate = hf_config.hidden_size, hf_config.intermediate_size
+    if family.fused_qkv:
+        return FusedGatedMLP(hidden, intermediate, hf_config.hidden_act)
+    return GatedMLP(hidden, intermediate, hf_config.hidden_act, bias=bool(getattr(hf_config, "mlp_bias", False)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: attention then MLP, each with a residual."""
+
+    def __init__(self, family: Family, hf_config: Any, index: int) -> None:
         super().__init__()
-        eps = hf_config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.self_attn = Attention(
-            attention_dims(hf_config),
-            qkv_bias=family.qkv_bias(hf_config),
-            o_bias=family.o_bias(hf_config),
-            qk_norm_eps=eps if family.qk_norm else None,
-        )
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.mlp = GatedMLP(
-            hf_config.hidden_size,
-            hf_config.intermediate_size,
-            hf_config.hidden_act,
-            bias=bool(getattr(hf_config, "mlp_bias", False)),
-        )
+        eps, hidden = hf_config.rms_norm_eps, hf_config.hidden_size
+        self.layer_type = family.layer_types(hf_config)[index]
+        self.input_layernorm = family.norm(hidden, eps)
+        self.self_attn = attention_of(family, hf_config, index)
+        self.post_attention_layernorm = family.norm(hidden, eps)
+        self.mlp = family.mlp(hf_config, index) if family.mlp else dense_mlp(family, hf_config)
 
     def forward(self, h: torch.Tensor, rope: Any, caches: list[torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), rope, caches, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embeddings times a constant (Gemma: ``sqrt(hidden_size)``), the constant cast to the weights'
+    dtype first as transformers does (``embed_scale`` is a buffer, so part of the weight set)."""
+
+    def __init__(self, vocab: int, hidden: int, scale: float) -> None:
+        super().__init__(vocab, hidden)
+        with torch.device("cpu"):  # a real value even when the rest is built on the meta device
+            self.embed_scale: torch.Tensor
+            self.register_buffer("embed_scale", torch.tensor(scale), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
 
 
 class DecoderBody(nn.Module):
@@ -59,11 +92,15 @@ class DecoderBody(nn.Module):
 
     def __init__(self, family: Family, hf_config: Any) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(family, hf_config) for _ in range(hf_config.num_hidden_layers))
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        vocab, hidden, scale = hf_config.vocab_size, hf_config.hidden_size, family.embed_scale(hf_config)
+        self.embed_tokens = nn.Embedding(vocab, hidden) if scale is None else ScaledEmbedding(vocab, hidden, scale)
+        build = family.layer or DecoderLayer
+        self.layers = nn.ModuleList(build(family, hf_config, i) for i in range(hf_config.num_hidden_layers))
+        self.norm = family.norm(hidden, hf_config.rms_norm_eps)
         with torch.device("cpu"):  # real frequencies even when the rest is built on the meta device
-            self.rotary_emb = Rotary(family.rotary(hf_config))
+            hf_rotary = family.rotary(hf_config)
+            types = family.layer_types(hf_config)
+            self.rotary_emb = RotaryPerType(hf_rotary, types) if family.rope_per_layer_type else Rotary(hf_rotary)
 
 
 class StaticDecoder(nn.Module):
@@ -75,6 +112,8 @@ class StaticDecoder(nn.Module):
         self.max_topk = max_topk
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = DecoderBody(family, hf_config)
+        self.windows = sorted({w for w in layer_windows(family, hf_config) if w is not None})
+        self.softcap = family.logit_softcap(hf_config)
         self.lm_head: nn.Linear | None = None
         if not self.tied:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
@@ -82,13 +121,17 @@ class StaticDecoder(nn.Module):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.model.norm(h)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(h, weight).to(torch.float32)
+        logits = torch.nn.functional.linear(h, weight)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.to(torch.float32)
 
     def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: list[torch.Tensor], ctx):
         h = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb(position_ids, h.dtype)
+        rope = self.model.rotary_emb(position_ids, h.dtype)  # one (cos, sin), or one per layer type
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, rope, kv_cache[2 * i : 2 * i + 2], ctx)
+            layer_rope = rope[layer.layer_type] if isinstance(rope, dict) else rope
+            h = layer(h, layer_rope, kv_cache[2 * i : 2 * i + 2], ctx)
         return h
 
     def forward(
@@ -103,10 +146,10 @@ class StaticDecoder(nn.Module):
         token generation returns logits ``[B, V]`` (sampling is applied by `TokenGenerationGraph`)."""
         cache_len = kv_cache[0].shape[2]
         if spec.kind is GraphKind.TOKEN_GENERATION:
-            ctx: AttentionContext = DecodeContext.build(position_ids, cache_len)
+            ctx: AttentionContext = DecodeContext.build(position_ids, cache_len, self.windows)
             return self._logits(self._hidden(input_ids, position_ids, kv_cache, ctx)[:, -1])
         assert seq_ids is not None, "prefill graphs take the slot id"
-        ctx = ChunkContext.build(seq_ids, position_ids, cache_len, spec.reads_prior_cache)
+        ctx = ChunkContext.build(seq_ids, position_ids, cache_len, spec.reads_prior_cache, self.windows)
         h = self._hidden(input_ids, position_ids, kv_cache, ctx)
         last = torch.argmax(position_ids[0]).reshape(1)  # invariant 5: max position = last real token
         return self._logits(h[0].index_select(0, last))

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from .checks import check_rope
 from .family import Family
 
 
@@ -21,4 +22,5 @@ LLAMA = Family(
     rotary=_rotary,
     qkv_bias=lambda cfg: bool(getattr(cfg, "attention_bias", False)),
     o_bias=lambda cfg: bool(getattr(cfg, "attention_bias", False)),
+    check=check_rope,
 )

@@ -1,4 +1,5 @@
-"""Mistral family: llama layout; a sliding window shorter than the compiled length is refused."""
+"""Mistral family: llama layout; ``sliding_window``, when set, applies to every layer (as transformers'
+``MistralModel`` does: one mask for the whole model)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import UnsupportedModelError
-from .family import Family
+from .checks import check_rope
+from .family import Family, uniform_layer_types
 
 
 def _rotary(hf_config: Any) -> nn.Module:
@@ -16,19 +17,11 @@ def _rotary(hf_config: Any) -> nn.Module:
     return MistralRotaryEmbedding(hf_config)
 
 
-def _check_window(hf_config: Any, sequence_length: int) -> None:
-    window = getattr(hf_config, "sliding_window", None)
-    if window and window < sequence_length:
-        raise UnsupportedModelError(
-            f"this mistral model uses a {window}-token sliding window, which the static decoder does not "
-            f"implement: export with --sequence_length <= {window}."
-        )
-
-
 MISTRAL = Family(
     name="mistral",
     model_types=("mistral",),
     rotary=_rotary,
     qkv_bias=lambda cfg: False,
-    check=_check_window,
+    check=check_rope,
+    layer_types=uniform_layer_types,
 )

@@ -1,4 +1,5 @@
-"""Qwen3 family: llama with per-head RMSNorm on q and k before rope."""
+"""Qwen3 family: llama with per-head RMSNorm on q and k before rope; sliding window per ``layer_types``
+as for qwen2."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from typing import Any
 
 from torch import nn
 
-from .family import Family
-from .qwen2 import check_full_attention
+from .checks import check_rope
+from .family import Family, per_layer_types
 
 
 def _rotary(hf_config: Any) -> nn.Module:
@@ -23,5 +24,6 @@ QWEN3 = Family(
     qkv_bias=lambda cfg: bool(getattr(cfg, "attention_bias", False)),
     o_bias=lambda cfg: bool(getattr(cfg, "attention_bias", False)),
     qk_norm=True,
-    check=check_full_attention,
+    check=check_rope,
+    layer_types=per_layer_types,
 )

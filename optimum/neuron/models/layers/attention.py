@@ -3,19 +3,23 @@
 `DecodeContext` (token generation: one token per slot, row b is slot b) and `ChunkContext`
 (context encoding / chunked prefill: one sequence's chunk) hold the per-call masks and positions;
 each layer's `Attention` asks its context to attend and to write the new K/V into the cache.
+
+A context holds one mask per attention window its decoder uses: the full-attention mask and one per
+sliding window (`masks.chunk_window_mask`, `masks.decode_window_mask`). Each layer passes its own window
+(``None``: full attention) and gets exactly that mask (`mask_for`); the cache and its writes are the same.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import read_slot, scratch_position, write_rows
-from .masks import chunk_mask, chunk_write_positions, decode_mask
-from .norm import RMSNorm
+from .masks import chunk_mask, chunk_window_mask, chunk_write_positions, decode_mask, decode_window_mask
 from .rope import apply_rotary
 
 
@@ -36,17 +40,32 @@ class DecodeContext:
 
     positions: torch.Tensor  # [B, 1]
     mask: torch.Tensor  # [B, 1, 1, S + 1]
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask
 
     @classmethod
-    def build(cls, position_ids: torch.Tensor, cache_len: int) -> DecodeContext:
-        return cls(position_ids, decode_mask(position_ids, cache_len))
+    def build(cls, position_ids: torch.Tensor, cache_len: int, windows: Iterable[int] = ()) -> DecodeContext:
+        windowed = {w: decode_window_mask(position_ids, cache_len, w) for w in windows}
+        return cls(position_ids, decode_mask(position_ids, cache_len), windowed)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[torch.Tensor]) -> torch.Tensor:
-        """Write this step's K/V, then attend over each slot's whole cache."""
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer with sliding window ``window`` (``None``: full attention)."""
+        return self.mask if window is None else self.window_masks[window]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        caches: list[torch.Tensor],
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Write this step's K/V, then attend over each slot's whole cache (or its ``window`` last positions)."""
         rows = torch.arange(q.shape[0], device=q.device)
         write_rows(caches[0], rows, self.positions, k)
         write_rows(caches[1], rows, self.positions, v)
-        return F.scaled_dot_product_attention(q, caches[0], caches[1], attn_mask=self.mask, enable_gqa=True)
+        mask = self.mask_for(window)
+        return F.scaled_dot_product_attention(q, caches[0], caches[1], attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 @dataclass
@@ -58,21 +77,42 @@ class ChunkContext:
     positions: torch.Tensor  # [1, C]: where each column writes
     mask: torch.Tensor  # [1, 1, C, S + 1 + C] or [1, 1, C, C]
     reads_prior: bool
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask
 
     @classmethod
     def build(
-        cls, seq_ids: torch.Tensor, position_ids: torch.Tensor, cache_len: int, reads_prior: bool
+        cls,
+        seq_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_len: int,
+        reads_prior: bool,
+        windows: Iterable[int] = (),
     ) -> ChunkContext:
         writes = chunk_write_positions(position_ids, scratch_position(cache_len))
-        return cls(seq_ids, writes, chunk_mask(position_ids, cache_len, reads_prior), reads_prior)
+        windowed = {w: chunk_window_mask(position_ids, cache_len, reads_prior, w) for w in windows}
+        return cls(seq_ids, writes, chunk_mask(position_ids, cache_len, reads_prior), reads_prior, windowed)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[torch.Tensor]) -> torch.Tensor:
-        """Attend over the slot's earlier cache and the chunk's own K/V, then store the chunk's K/V."""
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer with sliding window ``window`` (``None``: full attention)."""
+        return self.mask if window is None else self.window_masks[window]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        caches: list[torch.Tensor],
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Attend over the slot's earlier cache and the chunk's own K/V (within ``window`` positions of each
+        query for a sliding-window layer), then store the chunk's K/V."""
         keys, values = k, v
         if self.reads_prior:
             keys = torch.cat((read_slot(caches[0], self.seq_ids), k), dim=2)
             values = torch.cat((read_slot(caches[1], self.seq_ids), v), dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, enable_gqa=True)
+        mask = self.mask_for(window)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         write_rows(caches[0], self.seq_ids, self.positions, k)
         write_rows(caches[1], self.seq_ids, self.positions, v)
         return out
@@ -81,25 +121,53 @@ class ChunkContext:
 AttentionContext = DecodeContext | ChunkContext
 
 
-class Attention(nn.Module):
-    """Grouped-query attention with rotary embeddings, optional q/k RMSNorm (qwen3) and qkv bias."""
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What distinguishes one family's attention layer from plain grouped-query attention."""
 
-    def __init__(self, dims: AttentionDims, qkv_bias: bool, o_bias: bool, qk_norm_eps: float | None) -> None:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: Callable[[int], nn.Module] | None = None
+    """Builds the per-head norm of q and k (head_dim -> module), applied before rope (qwen3, Gemma 3)."""
+    fused_qkv: bool = False
+    """One ``qkv_proj`` matmul (Phi-3's checkpoint layout) instead of ``q_proj``, ``k_proj``, ``v_proj``."""
+    scale: float | None = None
+    """Softmax scale of the scores; ``None``: ``head_dim ** -0.5``."""
+    window: int | None = None
+    """Sliding window of this layer (keys in ``(p - window, p]``); ``None``: full attention."""
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary embeddings over the shared cache; optional qkv bias, q/k norm,
+    fused qkv projection, custom scale and sliding window (`AttentionOptions`)."""
+
+    def __init__(self, dims: AttentionDims, options: AttentionOptions) -> None:
         super().__init__()
-        self.dims = dims
-        self.q_proj = nn.Linear(dims.hidden, dims.heads * dims.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(dims.hidden, dims.kv_heads * dims.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(dims.hidden, dims.kv_heads * dims.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(dims.heads * dims.head_dim, dims.hidden, bias=o_bias)
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
-        if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(dims.head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(dims.head_dim, qk_norm_eps)
+        self.dims, self.options = dims, options
+        q_size, kv_size = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        if options.fused_qkv:
+            self.qkv_proj = nn.Linear(dims.hidden, q_size + 2 * kv_size, bias=options.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(dims.hidden, q_size, bias=options.qkv_bias)
+            self.k_proj = nn.Linear(dims.hidden, kv_size, bias=options.qkv_bias)
+            self.v_proj = nn.Linear(dims.hidden, kv_size, bias=options.qkv_bias)
+        self.o_proj = nn.Linear(q_size, dims.hidden, bias=options.o_bias)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if options.qk_norm is not None:
+            self.q_norm = options.qk_norm(dims.head_dim)
+            self.k_norm = options.qk_norm(dims.head_dim)
 
     def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         batch, tokens, _ = x.shape
         return x.view(batch, tokens, heads, self.dims.head_dim)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.options.fused_qkv:
+            q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+            return q, k, v
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(
         self,
@@ -109,13 +177,13 @@ class Attention(nn.Module):
         context: AttentionContext,
     ) -> torch.Tensor:
         """``x [B, T, hidden]`` -> ``[B, T, hidden]``; ``caches`` is this layer's ``[K, V]``."""
-        q = self._heads(self.q_proj(x), self.dims.heads)
-        k = self._heads(self.k_proj(x), self.dims.kv_heads)
-        v = self._heads(self.v_proj(x), self.dims.kv_heads).transpose(1, 2)
+        q, k, v = self._project(x)
+        q, k = self._heads(q, self.dims.heads), self._heads(k, self.dims.kv_heads)
+        v = self._heads(v, self.dims.kv_heads).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), *rope)
         k = apply_rotary(k.transpose(1, 2), *rope)
-        out = context.attend(q, k, v, caches)
+        out = context.attend(q, k, v, caches, self.options.window, self.options.scale)
         batch, tokens, _ = x.shape
         return self.o_proj(out.transpose(1, 2).reshape(batch, tokens, -1))

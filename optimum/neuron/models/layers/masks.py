@@ -3,6 +3,10 @@ masking rules live (invariant 4).
 
 Masked positions are excluded by the attention kernel; no dtype minimum is ever fed to ``exp``
 (invariant 7).
+
+Sliding-window layers (mistral, qwen2 ``max_window_layers``, Gemma 3 local layers, ...) use the same masks
+restricted by `within_window`: a query at position ``p`` sees keys in ``(p - window, p]``. A padded query
+repeats the last real token's position, so it still sees exactly that token's keys.
 """
 
 from __future__ import annotations
@@ -47,3 +51,26 @@ def decode_mask(position_ids: torch.Tensor, cache_len: int) -> torch.Tensor:
     token's position is below the scratch row). Result: ``[B, 1, 1, cache_len]``."""
     keys = torch.arange(cache_len, device=position_ids.device)
     return (keys[None, :] <= position_ids)[:, None, None, :]
+
+
+def within_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """The sliding-window rule: ``[B, T]`` query positions x ``[K]`` key positions -> ``[B, 1, T, K]``, True
+    where ``key > query - window``: the lower end of the window ``(query - window, query]`` (its upper end,
+    causality, is the rule of `chunk_mask` and `decode_mask`)."""
+    return (key_positions[None, None, :] > query_positions[:, :, None] - window)[:, None]
+
+
+def chunk_window_mask(position_ids: torch.Tensor, cache_len: int, reads_prior: bool, window: int) -> torch.Tensor:
+    """`chunk_mask` of a sliding-window layer: keys ``[cache (cache_len) | chunk (C)]`` are also limited to
+    the ``window`` positions ending at each query's own. Same shape as `chunk_mask`."""
+    keys = position_ids[0]
+    if reads_prior:
+        keys = torch.cat((torch.arange(cache_len, device=position_ids.device), keys))
+    return chunk_mask(position_ids, cache_len, reads_prior) & within_window(position_ids, keys, window)
+
+
+def decode_window_mask(position_ids: torch.Tensor, cache_len: int, window: int) -> torch.Tensor:
+    """`decode_mask` of a sliding-window layer: cache keys in ``(position - window, position]``.
+    Result: ``[B, 1, 1, cache_len]``."""
+    keys = torch.arange(cache_len, device=position_ids.device)
+    return decode_mask(position_ids, cache_len) & within_window(position_ids, keys, window)

@@ -1,4 +1,4 @@
-"""Gated MLP: ``down(act(gate(x)) * up(x))``."""
+"""Gated MLPs: ``down(act(gate(x)) * up(x))``, with separate or fused (Phi-3) gate and up projections."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from transformers.activations import ACT2FN
 
 
 class GatedMLP(nn.Module):
-    """The SwiGLU-style MLP shared by the llama, mistral and qwen families."""
+    """The SwiGLU-style MLP shared by the llama, mistral, qwen and Gemma families."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
         super().__init__()
@@ -19,3 +19,18 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedGatedMLP(nn.Module):
+    """The same MLP with gate and up in one ``gate_up_proj`` matmul (Phi-3's checkpoint layout: the gate
+    is the first half of its output, up the second)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = ACT2FN[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.act(gate))

@@ -2,6 +2,9 @@
 
 The frequencies (including Llama-3 / YaRN / dynamic scaling rules applied at init) are taken from
 the family's transformers rotary module, so every rope variant it supports is reproduced exactly.
+Families whose layer types use different rope bases (Gemma 3: local and global layers) get one set of
+frequencies per layer type (`RotaryPerType`); partial rotary (Phi-3's ``partial_rotary_factor``) rotates
+the first ``2 * len(inv_freq)`` channels of each head and passes the others through (`apply_rotary`).
 """
 
 from __future__ import annotations
@@ -13,13 +16,16 @@ from torch import nn
 class Rotary(nn.Module):
     """Computes ``cos, sin`` for position ids from a fixed ``inv_freq`` buffer."""
 
-    def __init__(self, hf_rotary: nn.Module) -> None:
+    def __init__(self, hf_rotary: nn.Module, layer_type: str | None = None) -> None:
+        """Frequencies of ``hf_rotary`` (its ``inv_freq`` and ``attention_scaling``, or with ``layer_type``
+        its ``<layer_type>_inv_freq`` and ``<layer_type>_attention_scaling``, as transformers names them)."""
         super().__init__()
-        source = hf_rotary.get_buffer("inv_freq")
+        prefix = f"{layer_type}_" if layer_type else ""
+        source = hf_rotary.get_buffer(f"{prefix}inv_freq")
         inv_freq = source.detach().to(torch.float32).clone()
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.scaling = float(getattr(hf_rotary, "attention_scaling", 1.0))
+        self.scaling = float(getattr(hf_rotary, f"{prefix}attention_scaling", 1.0))
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``position_ids [B, T]`` -> ``cos, sin [B, 1, T, head_dim]`` in ``dtype``."""
@@ -30,8 +36,25 @@ class Rotary(nn.Module):
         return cos[:, None], sin[:, None]
 
 
+class RotaryPerType(nn.Module):
+    """One `Rotary` per layer type, from a transformers rotary module that keeps ``<type>_inv_freq`` buffers
+    (Gemma 3's local and global rope bases)."""
+
+    def __init__(self, hf_rotary: nn.Module, layer_types: list[str]) -> None:
+        super().__init__()
+        self.by_type = nn.ModuleDict({t: Rotary(hf_rotary, t) for t in sorted(set(layer_types))})
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``cos, sin`` of each layer type, as `Rotary.forward` computes them."""
+        return {name: rotary(position_ids, dtype) for name, rotary in self.by_type.items()}
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, H, T, D]`` by the position angles (the "rotate half" convention)."""
+    """Rotate ``x [B, H, T, D]`` by the position angles (the "rotate half" convention). When ``cos`` covers
+    fewer than ``D`` channels (partial rotary), only those first channels rotate; the rest pass through."""
+    dims = cos.shape[-1]
+    if dims < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :dims], cos, sin), x[..., dims:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
