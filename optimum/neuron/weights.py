@@ -3,11 +3,18 @@
 Our parameter names equal transformers', so the map is the identity; what this module adds is
 strictness: every expected key present, no unknown key, shapes equal, floating dtypes cast to
 the target dtype, tied embeddings handled, rotary frequencies taken from the module itself.
+
+A family may name renaming rules (`Family.checkpoint_rules`), applied before the strict map, each as
+strict as the map itself: `stack_experts` (per-expert MoE tensors -> transformers' stacked layout) and
+`text_tower` (a multimodal Gemma 3 checkpoint -> its text decoder). Rules consume the dict they are given,
+so no tensor is held twice.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -40,7 +47,10 @@ def read_checkpoint(folder: str | Path) -> dict[str, torch.Tensor]:
 
 
 def map_state_dict(module: nn.Module, hf_state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The parameters of ``module`` taken from ``hf_state``, cast to ``dtype``; strict."""
+    """The parameters of ``module`` taken from ``hf_state`` (after its family's renaming rules), cast to
+    ``dtype``; strict."""
+    for rule in getattr(getattr(module, "family", None), "checkpoint_rules", ()):
+        hf_state = rule(hf_state)
     expected = dict(module.named_parameters())
     tied = getattr(module, "tied", False)
     unknown = [k for k in hf_state if k not in expected and not _ignorable(k, tied)]
@@ -63,6 +73,70 @@ def map_state_dict(module: nn.Module, hf_state: dict[str, torch.Tensor], dtype: 
             raise WeightLoadingError(f"{name!r} has dtype {tensor.dtype}; quantized checkpoints are not supported.")
         mapped[name] = tensor.to(dtype).contiguous()
     return mapped
+
+
+_EXPERT_KEY = re.compile(r"^(?P<experts>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors ``<p>.experts.<e>.{gate,up,down}_proj.weight`` (the layout of Qwen3-MoE checkpoints
+    on the Hub and of ``save_pretrained``) -> ``<p>.experts.gate_up_proj [E, 2I, H]`` (gate rows, then up)
+    and ``<p>.experts.down_proj [E, H, I]``, the layout transformers computes with. Experts must be numbered
+    ``0..E-1`` with all three projections of equal shapes; keys already stacked pass through."""
+    groups: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+    for key in list(state):
+        match = _EXPERT_KEY.match(key)
+        if match:
+            groups[match["experts"]][int(match["index"])][match["proj"]] = key
+    for experts, by_index in groups.items():
+        for index in range(max(by_index) + 1):
+            for proj in _PROJECTIONS:
+                if proj not in by_index.get(index, {}):
+                    raise WeightLoadingError(
+                        f"checkpoint is missing {experts}.{index}.{proj}.weight; the checkpoint does not match its "
+                        "config.json."
+                    )
+        if f"{experts}.gate_up_proj" in state:
+            raise WeightLoadingError(
+                f"checkpoint has both {experts}.gate_up_proj and per-expert tensors under {experts}."
+            )
+        gate_up, down = [], []
+        for index in range(len(by_index)):
+            gate, up, out = (state.pop(by_index[index][proj]) for proj in _PROJECTIONS)
+            if gate.shape != up.shape:
+                raise WeightLoadingError(
+                    f"{experts}.{index}.up_proj.weight has shape {tuple(up.shape)} but its gate_proj "
+                    f"{tuple(gate.shape)}; the checkpoint is damaged."
+                )
+            gate_up.append(torch.cat((gate, up)))
+            down.append(out)
+        state[f"{experts}.gate_up_proj"] = torch.stack(gate_up)
+        state[f"{experts}.down_proj"] = torch.stack(down)
+    return state
+
+
+_TEXT_TOWER = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.", ""))
+_VISION = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+
+
+def text_tower(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A multimodal Gemma 3 checkpoint (``Gemma3ForConditionalGeneration``: ``model.language_model.*``, or
+    the older ``language_model.model.*``) -> its text decoder's keys (``model.*``, ``lm_head.weight``). The
+    vision tower and projector (``vision_tower.*``, ``multi_modal_projector.*``) are left out: this toolkit
+    serves the text decoder only. A text-only checkpoint passes through unchanged."""
+    for key in list(state):
+        if key.startswith(_VISION):
+            del state[key]
+            continue
+        for old, new in _TEXT_TOWER:
+            if key.startswith(old):
+                renamed = new + key[len(old) :]
+                if renamed in state:
+                    raise WeightLoadingError(f"checkpoint has both {key!r} and {renamed!r}; it is not one model.")
+                state[renamed] = state.pop(key)
+                break
+    return state
 
 
 def _ignorable(key: str, tied: bool) -> bool:

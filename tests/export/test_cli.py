@@ -2,7 +2,7 @@
 
 Round trips export a tiny llama (batch 2, S 32, C 8), load it and compare greedy tokens with
 transformers; an identical second export is a cache hit that copies; bad flags exit with status 2
-and a one-line message that says how to fix them.
+and a one-line message that says how to fix them, as do config fields a family does not implement.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,27 @@ def test_bad_model_exits_2_with_fix(tmp_path: Path, entry: str, model_type: str 
     folder = unknown_arch(tmp_path, model_type) if model_type else str(tmp_path / "nowhere")
     done = run_cli(entry, "--model", folder, "--sequence_length", "32", str(tmp_path / "out"))
     assert_refused(done, fragments)
+
+
+UNIMPLEMENTED = [
+    ("llama", {"rope_parameters": {"rope_type": "fancy", "rope_theta": 10000.0}}, "32", "rope_parameters.rope_type"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, "32", "attn_logit_softcapping"),
+    ("phi3", {}, "128", "rope_parameters.rope_type 'longrope'"),  # beyond its original_max_position_embeddings (64)
+]
+
+
+@pytest.mark.parametrize(("family", "changes", "length", "field"), UNIMPLEMENTED, ids=[u[3] for u in UNIMPLEMENTED])
+def test_unimplemented_config_field_exits_2_naming_it(
+    tmp_path: Path, family: str, changes: dict, length: str, field: str
+) -> None:
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model(family), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    out = tmp_path / "out"
+    done = run_cli("python -m", "--model", str(folder), "--sequence_length", length, "--backend", "eager", str(out))
+    assert_refused(done, [f"config field {field}"])
+    assert not out.exists()
 
 
 def test_missing_model_flag_is_a_usage_error(tmp_path: Path) -> None:

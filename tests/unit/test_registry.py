@@ -11,7 +11,7 @@ from optimum.neuron.errors import UnsupportedModelError
 from optimum.neuron.models.registry import build_decoder, family_for, supported_model_types
 from tests.fixtures.llm.models import FAMILIES, TINY_CONFIGS
 
-SUPPORTED = ["llama", "mistral", "qwen2", "qwen3"]
+SUPPORTED = ["gemma3", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe"]
 
 
 def test_supported_model_types() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,57 @@ def test_read_checkpoint_sharded(tmp_path: Path) -> None:
 def test_read_checkpoint_without_weights_names_the_fix(tmp_path: Path) -> None:
     with pytest.raises(WeightLoadingError, match="--model"):
         read_checkpoint(tmp_path)
+
+
+# --- family checkpoint layouts: fused (Phi-3), per-expert (Qwen3-MoE), multimodal (Gemma 3) ------------------
+
+EXPERTS = "model.layers.0.mlp.experts"
+
+
+def test_phi3_fused_projections_map_as_they_are() -> None:
+    decoder, state = decoder_and_state("phi3")
+    names = set(dict(decoder.named_parameters()))
+    assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"} <= names
+    unfused = (".q_proj.weight", ".gate_proj.weight", ".up_proj.weight")
+    assert not any(n.endswith(unfused) for n in names), "an unfused copy beside the fused one"
+    mapped = map_state_dict(decoder, state, torch.float32)
+    assert all(torch.equal(mapped[k], state[k]) for k in mapped)
+
+
+def test_experts_are_stacked_as_transformers_stacks_them() -> None:
+    from tests.fixtures.llm.reference import reference_model
+
+    decoder, state = decoder_and_state("qwen3_moe")
+    assert f"{EXPERTS}.0.gate_proj.weight" in state, "the checkpoint stores one tensor per expert"
+    mapped = map_state_dict(decoder, state, torch.float32)
+    theirs = reference_model(tiny_model("qwen3_moe")).state_dict()
+    for name in (f"{EXPERTS}.gate_up_proj", f"{EXPERTS}.down_proj", "model.layers.0.mlp.gate.weight"):
+        assert torch.equal(mapped[name], theirs[name]), name
+    assert "model.layers.1.mlp.gate_proj.weight" in mapped, "mlp_only_layers keeps layer 1 dense"
+
+
+def test_missing_expert_tensor_is_named() -> None:
+    decoder, state = decoder_and_state("qwen3_moe")
+    del state[f"{EXPERTS}.2.up_proj.weight"]
+    with pytest.raises(WeightLoadingError, match=re.escape(f"{EXPERTS}.2.up_proj.weight")):
+        map_state_dict(decoder, state, torch.float32)
+
+
+def test_extra_expert_is_a_shape_error_naming_the_stacked_key() -> None:
+    decoder, state = decoder_and_state("qwen3_moe")
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        state[f"{EXPERTS}.4.{proj}.weight"] = state[f"{EXPERTS}.0.{proj}.weight"].clone()
+    with pytest.raises(WeightLoadingError, match=re.escape(f"{EXPERTS}.gate_up_proj")):
+        map_state_dict(decoder, state, torch.float32)
+
+
+def test_multimodal_gemma3_keys_map_to_the_text_decoder() -> None:
+    decoder, state = decoder_and_state("gemma3")
+    multimodal = {k.replace("model.", "model.language_model.", 1): v for k, v in state.items()}
+    multimodal["model.vision_tower.vision_model.post_layernorm.weight"] = torch.ones(4)
+    multimodal["model.multi_modal_projector.mm_input_projection_weight"] = torch.ones(4, 4)
+    mapped = map_state_dict(decoder, multimodal, torch.float32)
+    assert set(mapped) == set(dict(decoder.named_parameters()))
+    assert all(torch.equal(mapped[k], state[k]) for k in mapped)
+    older = {k.replace("model.", "language_model.model.", 1): v for k, v in state.items()}
+    assert set(map_state_dict(decoder, older, torch.float32)) == set(mapped)

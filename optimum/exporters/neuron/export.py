@@ -30,7 +30,7 @@ from ...neuron.config import CONFIG_FILE, NeuronConfig
 from ...neuron.errors import UnsupportedModelError, WeightLoadingError
 from ...neuron.graphs import GraphSpec, example_inputs, graph_args, graph_specs
 from ...neuron.models.base import StaticDecoder, graph_module
-from ...neuron.models.registry import supported_model_types
+from ...neuron.models.registry import served_config, supported_model_types
 from ...neuron.progress import StepProgress
 from ...neuron.weights import constants_of, map_state_dict, read_checkpoint
 from .cache import cache_lock, cache_root, code_fingerprint
@@ -141,16 +141,18 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, device: str | torch
 
 
 def _hf_config(model_dir: Path) -> Any:
-    """The checkpoint's transformers config; an architecture transformers does not know is unsupported."""
+    """The config of the decoder to export (`served_config`: a multimodal checkpoint's text decoder); an
+    architecture transformers does not know is unsupported."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
     except ValueError as err:  # transformers' error for an unknown model_type
         raise UnsupportedModelError(
             f"transformers cannot read {model_dir / 'config.json'} ({str(err).splitlines()[0]}); supported model "
             f"types: {', '.join(supported_model_types())}."
         ) from err
+    return served_config(config)
 
 
 def load_decoder(

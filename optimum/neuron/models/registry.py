@@ -7,12 +7,17 @@ from typing import Any
 from ..errors import UnsupportedModelError
 from .base import StaticDecoder
 from .family import Family
+from .gemma3 import GEMMA3, GEMMA3_MULTIMODAL
 from .llama import LLAMA
 from .mistral import MISTRAL
+from .phi3 import PHI3
 from .qwen2 import QWEN2
 from .qwen3 import QWEN3
+from .qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {t: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL) for t in f.model_types}
+FAMILIES: dict[str, Family] = {
+    t: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3, GEMMA3_MULTIMODAL, PHI3, QWEN3_MOE) for t in f.model_types
+}
 
 
 def supported_model_types() -> list[str]:
@@ -30,8 +35,16 @@ def family_for(hf_config: Any) -> Family:
     return FAMILIES[model_type]
 
 
+def served_config(hf_config: Any) -> Any:
+    """The config of the decoder this toolkit builds from ``hf_config``: the config itself, or for a
+    multimodal checkpoint its text decoder's config (what an artifact records as its ``config.json``)."""
+    family = family_for(hf_config)
+    return family.text_config(hf_config) if family.text_config else hf_config
+
+
 def build_decoder(hf_config: Any, sequence_length: int, max_topk: int) -> StaticDecoder:
     """An uninitialized static decoder for ``hf_config`` (weights are loaded separately)."""
+    hf_config = served_config(hf_config)
     family = family_for(hf_config)
     family.check(hf_config, sequence_length)
     return StaticDecoder(family, hf_config, max_topk)
