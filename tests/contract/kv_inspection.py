@@ -14,6 +14,8 @@ last bit depending on their place in the kernel's row blocks, so that premise do
 
 The padded chunk is the prompt's second chunk (the first is full), so cache reads are exercised. The
 sequence is prefilled in slot 1 (a placeholder holds slot 0), so the slot offset of the writes counts.
+`FAMILIES` adds a sliding-window layer (gemma3: window 12, so the second chunk's queries lose the first
+keys) and a sparse MoE layer (qwen3_moe) to the llama reference.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from tests.contract.engine_tools import GREEDY
 from tests.models.exports import CHUNK, SEQUENCE_LENGTH, dtype_fixture
 
 FAMILY = "llama"
+FAMILIES = (FAMILY, "gemma3", "qwen3_moe")
+"""The families the check runs on: the reference, one with sliding-window layers, one with an MoE layer."""
 SLOT = 1
 START = CHUNK  # the padded chunk follows one full chunk
 SCRATCH = SEQUENCE_LENGTH  # each slot's scratch row
@@ -35,8 +39,8 @@ FILLS = (1, 2, 5, CHUNK - 1)  # real tokens in the padded chunk
 class Setup:
     """The shipped engine of one (backend, dtype) case, with a placeholder sequence holding slot 0."""
 
-    def __init__(self, backend: str, dtype: str) -> None:
-        self.engine = Engine(Artifact.open(dtype_fixture(FAMILY, backend, dtype)))
+    def __init__(self, backend: str, dtype: str, family: str = FAMILY) -> None:
+        self.engine = Engine(Artifact.open(dtype_fixture(family, backend, dtype)))
         self.engine.admit("placeholder", [3], GREEDY)  # holds slot 0, never stepped
         prompt = torch.randint(3, 256, (2 * CHUNK,), generator=torch.Generator().manual_seed(5)).tolist()
         self.first, self.second = prompt[:CHUNK], prompt[CHUNK:]
@@ -59,13 +63,13 @@ class Setup:
         return before, [t.cpu().clone() for t in self.engine.kv_cache]
 
 
-_setups: dict[tuple[str, str], Setup] = {}
+_setups: dict[tuple[str, str, str], Setup] = {}
 
 
-def setup(backend: str, dtype: str) -> Setup:
-    if (backend, dtype) not in _setups:
-        _setups[(backend, dtype)] = Setup(backend, dtype)
-    return _setups[(backend, dtype)]
+def setup(backend: str, dtype: str, family: str = FAMILY) -> Setup:
+    if (backend, dtype, family) not in _setups:
+        _setups[(backend, dtype, family)] = Setup(backend, dtype, family)
+    return _setups[(backend, dtype, family)]
 
 
 def rows(cache: list[torch.Tensor], first: int, last: int) -> list[torch.Tensor]:
@@ -85,10 +89,10 @@ def unchanged_outside(before: list[torch.Tensor], after: list[torch.Tensor], fir
     return True
 
 
-def check_padded_chunk_writes(backend: str, dtype: str) -> None:
+def check_padded_chunk_writes(backend: str, dtype: str, family: str = FAMILY) -> None:
     """The shipped graph writes only the real rows (bitwise as the same tokens in a full chunk do) and,
     for its padded columns, the scratch row."""
-    case = setup(backend, dtype)
+    case = setup(backend, dtype, family)
     for fill in FILLS:
         before, padded = case.shipped(case.second[:fill], seed=fill)
         assert unchanged_outside(before, padded, START, START + fill), (

@@ -25,14 +25,22 @@ from transformers import AutoModelForCausalLM
 
 from optimum.neuron import NeuronModelForCausalLM
 from tests.contract.engine_tools import loaded, prefill_logits
-from tests.fixtures.llm.models import FAMILIES, tiny_model
+from tests.fixtures.llm.models import tiny_model
 from tests.models.exports import CHUNK, dtype_fixture
 
 LENGTHS = [1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 2 * CHUNK + 1, 3 * CHUNK]
 NEW_TOKENS = 6
 EAGER_TOLERANCE = 1 / 64
 HF_TOLERANCE = 0.25
-MODES = [(family, "chunked") for family in FAMILIES] + [("llama", "ce")]
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+"""Compiled in bf16 on inductor. Of the later families only gemma3 runs here, on eager (its own bf16 rounding:
+``1 + weight`` norms in fp32, the embedding scale rounded to bf16): their bf16 compiles are left out of the suite's
+budget, their arithmetic is pinned in fp32 on every backend by the contract suite."""
+CASES = [
+    (family, mode, backend)
+    for backend in ("eager", "inductor")
+    for family, mode in [(family, "chunked") for family in FAMILIES] + [("llama", "ce")]
+] + [("gemma3", "chunked", "eager")]
 
 _references: dict[str, torch.nn.Module] = {}
 
@@ -71,8 +79,7 @@ def test_bf16_inductor_matches_eager(family: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-@pytest.mark.parametrize(("family", "mode"), MODES)
+@pytest.mark.parametrize(("family", "mode", "backend"), CASES)
 def test_bf16_greedy_matches_transformers(family: str, mode: str, backend: str) -> None:
     model, ref = neuron_model(family, backend, mode), reference(family)
     for length in LENGTHS:

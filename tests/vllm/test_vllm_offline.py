@@ -2,8 +2,10 @@
 interpreter: a vLLM engine holds process-global state).
 
 Greedy tokens must equal `NeuronModelForCausalLM.generate` on the same artifact and transformers, for
-chunked and context-encoding artifacts, alone and batched; prompts longer than vLLM's default token
-budgets complete; a long prompt's chunks interleave with the decodes of a running request.
+chunked and context-encoding artifacts, alone and batched; every other family (sliding windows, Gemma 3,
+Phi-3, Qwen3-MoE) serves transformers' greedy tokens and our sampling rule's draws from transformers'
+distributions; prompts longer than vLLM's default token budgets complete; a long prompt's chunks interleave
+with the decodes of a running request.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from tests.contract.engine_tools import loaded
 from tests.fixtures.llm.models import cache_dir, export_fixture, tiny_model
-from tests.fixtures.llm.reference import hf_greedy
+from tests.fixtures.llm.reference import hf_greedy, hf_sampled
 from tests.utils import subprocess_test
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -68,6 +70,38 @@ def test_llm_generate_equals_generate_and_transformers(name: str) -> None:
         assert got == our_tokens(artifact, ids), f"{name}: vLLM != generate() for {len(ids)} tokens"
         assert got == hf_greedy(tiny_model("llama"), ids, NEW_TOKENS), f"{name}: vLLM != transformers"
         assert batched == got, f"{name}: batched output differs from the prompt alone"
+
+
+SERVED_FAMILIES = ("mistral", "qwen2", "gemma3", "phi3", "qwen3_moe")
+"""Families vLLM serves here beyond llama: a uniform sliding window below the chunk (mistral), a sliding
+layer beside a full one (qwen2), interleaved sliding and global layers with their own rope (gemma3), fused
+projections and partial rotary (phi3), mixture of experts (qwen3_moe). The plugin has no per-family code:
+one engine per family, in one interpreter, is enough."""
+
+
+@subprocess_test
+def test_llm_generate_serves_each_family() -> None:
+    import os
+
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSampling
+
+    from optimum.neuron.artifact import read_config
+    from optimum.neuron.runtime.sampling import SamplingParams
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: one import for all
+    knobs = {"temperature": 1.3, "top_k": 40, "top_p": 0.9, "seed": 21}
+    short, long = prompt(CHUNK - 1, 7), prompt(3 * CHUNK + 2, 8)  # both generations cross the sliding windows
+    for family in SERVED_FAMILIES:
+        # the eager artifact: the contract suite checks every backend's graphs, this that the plugin serves them
+        artifact, model = export_fixture(f"{family}-2x4x8-eager"), tiny_model(family)
+        llm = LLM(model=str(artifact), seed=0)
+        together = vllm_tokens(llm, [short, long], greedy())
+        assert together == [hf_greedy(model, ids, NEW_TOKENS) for ids in (short, long)], f"{family}: greedy"
+        sampled = vllm_tokens(llm, [long], VllmSampling(max_tokens=NEW_TOKENS, ignore_eos=True, **knobs))[0]
+        ours = SamplingParams(do_sample=True, **knobs)
+        assert sampled == hf_sampled(model, long, NEW_TOKENS, ours, read_config(artifact).max_topk), family
+        llm.llm_engine.engine_core.shutdown()
 
 
 @subprocess_test
