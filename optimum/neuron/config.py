@@ -44,6 +44,16 @@ class NeuronConfig:
     """Weights, activations and KV-cache dtype: one of ``fp32``, ``bf16``, ``fp16``."""
     on_device_sampling: bool = True
     """Token generation samples inside the graph (returns token ids) instead of returning logits."""
+    decode_logits: bool = True
+    """With on_device_sampling, also compile a token-generation graph that returns logits: the engine runs it only
+    on steps where a sequence needs logits on the host (logprobs, vLLM's host sampling for penalties, min_p,
+    min_tokens, logit_bias, bad words, allowed token ids and structured output, generate()'s scores); every other
+    step keeps the on-device sampling graph. Off: such requests are refused. Costs one more compiled graph."""
+    prompt_logprobs: bool = False
+    """Also compile a prefill graph that returns the logits of every real row of a chunk (or of the whole prompt for
+    context encoding), run only for the chunks of a prompt whose logprobs are asked: vLLM's prompt_logprobs and
+    echo with logprobs, NeuronModelForCausalLM.score(). Off: such requests are refused. Costs one more compiled
+    graph, and [chunk, vocab] fp32 logits crossing to the host per such chunk."""
     max_topk: int = 256
     """Candidates every sampler keeps: the largest ``top_k`` a sampled request may ask for (a larger one is
     refused), and the tokens drawn from when it sets none."""
@@ -198,8 +208,9 @@ def _check_dtype_and_backend(config: NeuronConfig) -> None:
 
 
 def _check_sampling(config: NeuronConfig) -> None:
-    if not isinstance(config.on_device_sampling, bool):
-        raise IncompatibleConfigError(f"on_device_sampling must be a bool, got {config.on_device_sampling!r}.")
+    for name in ("on_device_sampling", "decode_logits", "prompt_logprobs"):
+        if not isinstance(getattr(config, name), bool):
+            raise IncompatibleConfigError(f"{name} must be a bool, got {getattr(config, name)!r}.")
 
 
 def load_config_file(text: str) -> NeuronConfig:

@@ -5,7 +5,9 @@ A graph is always named explicitly by its `GraphKind`; nothing infers the kind f
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,16 +47,44 @@ class GraphSpec:
     """True when the graph returns sampled token ids instead of logits."""
     reads_prior_cache: bool
     """True when queries may attend to cache positions written by earlier calls."""
+    all_rows: bool = False
+    """Prefill graphs: True when the graph returns the logits of every column ``[tokens, V]`` (the runtime keeps
+    the real rows, told by the actual-tokens mask) instead of the last real token's ``[1, V]``: prompt logprobs."""
 
     @property
     def name(self) -> str:
-        """The graph's name in its artifact (file name, manifest key, engine table, logs)."""
+        """The graph's name in its artifact (file name, manifest key, engine table, logs): the kind, then what a
+        variant returns (``_all_rows``: every row's logits; ``_logits``: token generation returning logits)."""
+        if self.all_rows:
+            return f"{self.kind.value}_all_rows"
+        if self.kind is GraphKind.TOKEN_GENERATION and not self.samples_on_device:
+            return f"{self.kind.value}_logits"
         return self.kind.value
 
 
 def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
-    """Every graph of an artifact built from ``config``, prefill first."""
-    return tuple(graph_spec(config, kind) for kind in graph_kinds(config))
+    """Every graph of an artifact built from ``config``, prefill first: the prefill graph (and its all-rows
+    variant with ``prompt_logprobs``), the token-generation graph (and, when it samples on device, its
+    logits-returning variant with ``decode_logits``)."""
+    prefill = graph_spec(config, prefill_kind(config))
+    token_generation = graph_spec(config, GraphKind.TOKEN_GENERATION)
+    specs = [prefill]
+    if config.prompt_logprobs:
+        specs.append(dataclasses.replace(prefill, all_rows=True))
+    specs.append(token_generation)
+    if token_generation.samples_on_device and config.decode_logits:
+        specs.append(dataclasses.replace(token_generation, samples_on_device=False))
+    return tuple(specs)
+
+
+def select_graph(
+    specs: Iterable[GraphSpec], kind: GraphKind, *, logits: bool = False, all_rows: bool = False
+) -> GraphSpec | None:
+    """The graph of ``kind`` among ``specs`` that serves a call, None when there is none: with ``all_rows`` the
+    prefill graph returning every row's logits; with ``logits`` a token-generation graph returning logits;
+    otherwise the default graph (for token generation, the one sampling on device when there is one)."""
+    found = [s for s in specs if s.kind is kind and s.all_rows == all_rows and not (logits and s.samples_on_device)]
+    return max(found, key=lambda s: s.samples_on_device, default=None)
 
 
 def graph_kinds(config: NeuronConfig) -> tuple[GraphKind, ...]:

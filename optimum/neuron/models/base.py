@@ -142,8 +142,9 @@ class StaticDecoder(nn.Module):
         kv_cache: list[torch.Tensor],
         seq_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run graph ``spec.kind``: prefill kinds return last-real-token logits ``[1, V]``;
-        token generation returns logits ``[B, V]`` (sampling is applied by `TokenGenerationGraph`)."""
+        """Run graph ``spec.kind``: prefill kinds return last-real-token logits ``[1, V]`` (every column's ``[T, V]``
+        for an ``all_rows`` graph); token generation returns logits ``[B, V]`` (sampling is applied by
+        `TokenGenerationGraph`)."""
         cache_len = kv_cache[0].shape[2]
         if spec.kind is GraphKind.TOKEN_GENERATION:
             ctx: AttentionContext = DecodeContext.build(position_ids, cache_len, self.windows)
@@ -151,6 +152,8 @@ class StaticDecoder(nn.Module):
         assert seq_ids is not None, "prefill graphs take the slot id"
         ctx = ChunkContext.build(seq_ids, position_ids, cache_len, spec.reads_prior_cache, self.windows)
         h = self._hidden(input_ids, position_ids, kv_cache, ctx)
+        if spec.all_rows:  # prompt logprobs: every column; the runtime keeps the real ones (actual-tokens mask)
+            return self._logits(h[0])
         last = torch.argmax(position_ids[0]).reshape(1)  # invariant 5: max position = last real token
         return self._logits(h[0].index_select(0, last))
 

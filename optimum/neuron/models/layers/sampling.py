@@ -50,3 +50,23 @@ def _candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     indices, by_id = torch.sort(indices, dim=-1)
     values, by_value = torch.sort(values.gather(-1, by_id), dim=-1, descending=True, stable=True)
     return values, indices.gather(-1, by_value)
+
+
+def processed_scores(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    max_topk: int,
+) -> torch.Tensor:
+    """What `sample_tokens` draws from, as transformers' ``output_scores`` show it: ``[B, V]`` fp32, the logits
+    divided by the temperature for the candidates that top-k and top-p keep, ``-inf`` for every other token."""
+    values, indices = _candidates(logits, min(max_topk, logits.shape[-1]))
+    rank = torch.arange(values.shape[-1], device=logits.device)[None, :]
+    scaled = values / temperature.to(torch.float32)[:, None]
+    in_top_k = rank < top_k[:, None]
+    probs = torch.softmax(torch.where(in_top_k, scaled, torch.full_like(scaled, _NEG)), dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    kept = in_top_k & ((mass_before < top_p[:, None]) | (rank == 0))
+    out = torch.full(logits.shape, -torch.inf, dtype=torch.float32, device=logits.device)
+    return out.scatter(1, indices, torch.where(kept, scaled, torch.full_like(scaled, -torch.inf)))
