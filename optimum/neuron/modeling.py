@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from .artifact import Artifact
 from .errors import InputError
 from .runtime.engine import Engine
-from .runtime.generate import generate_tokens
+from .runtime.generate import generate, score_prompts
 from .runtime.sampling import SamplingParams
 
 
@@ -40,12 +41,21 @@ class NeuronModelForCausalLM:
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         seed: int | None = None,
+        num_return_sequences: int = 1,
+        output_scores: bool = False,
+        output_logits: bool = False,
+        return_dict_in_generate: bool = False,
         **unsupported: Any,
-    ) -> torch.Tensor:
+    ) -> Any:
         """Generate like ``transformers``' ``generate``: returns ``[N, L + new]``, the input ids followed
         by the new tokens, rows that stopped early filled with ``pad_token_id``. ``input_ids`` may be
         left- or right-padded when ``attention_mask`` marks the real tokens. ``seed`` makes sampling
-        reproducible (row i uses ``seed + i``)."""
+        reproducible (row i uses ``seed + i``). ``num_return_sequences`` generates that many rows per prompt,
+        each a sequence of its own (consecutive rows). With ``return_dict_in_generate`` it returns transformers'
+        ``GenerateDecoderOnlyOutput``: ``sequences``, and per new token ``[N, V]`` fp32 ``scores`` (what the
+        sampler drew from: the logits when greedy, else temperature, top-k and top-p applied) with
+        ``output_scores``, raw ``logits`` with ``output_logits``; a row that already stopped puts all its
+        mass on ``pad_token_id`` there (score 0, others -inf)."""
         if unsupported:
             raise InputError(f"generate() does not support {sorted(unsupported)} on compiled graphs.")
         gen = self.generation_config
@@ -55,17 +65,52 @@ class NeuronModelForCausalLM:
             top_k=int(_pick(top_k, gen, "top_k", 0) or 0),
             top_p=float(_pick(top_p, gen, "top_p", 1.0)),
             seed=seed,
+            return_logits=return_dict_in_generate and (output_scores or output_logits),
         )
         eos = _id_set(_pick(eos_token_id, gen, "eos_token_id", None))
         pad = _pick(pad_token_id, gen, "pad_token_id", None)
-        pad = pad if pad is not None else (min(eos) if eos else 0)
-        prompts = _real_tokens(input_ids, attention_mask)
-        new_tokens = generate_tokens(self.engine, prompts, int(max_new_tokens or 20), params, eos)
-        width = max(len(t) for t in new_tokens)
-        tail = torch.full((len(prompts), width), int(pad), dtype=torch.long)
-        for row, tokens in enumerate(new_tokens):
+        pad = int(pad if pad is not None else (min(eos) if eos else 0))
+        prompts = [p for p in _real_tokens(input_ids, attention_mask) for _ in range(num_return_sequences)]
+        out = generate(self.engine, prompts, int(max_new_tokens or 20), params, eos)
+        width = max(len(t) for t in out.tokens)
+        tail = torch.full((len(prompts), width), pad, dtype=torch.long)
+        for row, tokens in enumerate(out.tokens):
             tail[row, : len(tokens)] = torch.tensor(tokens)
-        return torch.cat((input_ids.to(torch.long).cpu(), tail), dim=1)
+        sequences = torch.cat((input_ids.to(torch.long).cpu().repeat_interleave(num_return_sequences, 0), tail), 1)
+        if not return_dict_in_generate:
+            return sequences
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        max_topk = self.neuron_config.max_topk
+        fields: dict[str, Any] = {
+            "sequences": sequences,
+            "scores": _per_step(out.logits, width, pad, lambda x: params.scores(x, max_topk))
+            if output_scores
+            else None,
+            "logits": _per_step(out.logits, width, pad, lambda x: x) if output_logits else None,
+        }
+        return GenerateDecoderOnlyOutput(**fields)
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The log-probability of each token of each row given the tokens before it, as the model's prefill graphs
+        compute it: row i gives a ``[len_i - 1]`` fp32 tensor (the first token has none; ``attention_mask`` marks
+        the real tokens of padded rows). Needs an artifact exported with ``--prompt_logprobs``."""
+        prompts = _real_tokens(input_ids, attention_mask)
+        return [logprobs.scores for logprobs in score_prompts(self.engine, prompts)]
+
+
+def _per_step(
+    logits: list[list[torch.Tensor]], steps: int, pad: int, transform: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """transformers' per-step ``[N, V]`` tensors from each row's list of logits; rows that stopped put all their mass
+    on ``pad`` (0 there, -inf elsewhere)."""
+    vocab = logits[0][0].shape[-1]
+    stopped = torch.full((vocab,), -torch.inf)
+    stopped[pad] = 0.0
+    return tuple(
+        torch.stack([transform(row[step][None])[0] if step < len(row) else stopped for row in logits])
+        for step in range(steps)
+    )
 
 
 def _real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:

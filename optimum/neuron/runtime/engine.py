@@ -5,11 +5,12 @@ Its whole API is what ``generate()`` and the vLLM runner need:
 * `Engine.admit` a prompt under a caller's id (a KV slot is taken, the prompt and sampling checked);
 * `Engine.step` with how many pending tokens of which sequences to feed: the engine runs the
   token-generation graph once for every sequence that is decoding, then the prefill graph for each
-  prefill range (split into chunks, the last one padded), samples, and says what it produced;
+  prefill range (split into chunks, the last one padded), samples, and says what it produced (tokens,
+  and the logits, logprobs and prompt logprobs its sequences ask for);
 * `Engine.release` a sequence (or `preempt` / `resume` it, as vLLM does under memory pressure).
 
-Positions, padding, chunking, graph choice and sampling are decided here (with `padding` and
-`sampling`), never by a caller.
+Positions, padding, chunking, graph choice and sampling are decided here (with `padding`, `sampling` and
+`logprobs`), never by a caller; a caller may only pass a `HostSampler` for the sequences that carry its parameters.
 """
 
 from __future__ import annotations
@@ -25,12 +26,17 @@ import torch
 from ..artifact import Artifact, allocate_cache, assemble
 from ..backends import get_backend
 from ..errors import InputError
-from ..graphs import GraphKind, GraphSpec, graph_args, graph_specs, prefill_kind
+from ..graphs import GraphKind, GraphSpec, graph_args, graph_specs, prefill_kind, select_graph
 from ..models.base import StaticDecoder, graph_module
+from ..models.layers.masks import actual_tokens_mask
+from .logprobs import PromptScorer, token_logprobs
 from .padding import decode_rows, pad_chunk, split_chunks
-from .sampling import SamplingParams, SequenceSampler, sample_on_host, sampling_tensors
+from .sampling import HostSampler, SamplingParams, SequenceSampler, sample_on_host, sampling_tensors
 from .sequence import SeqId, Sequence, StepResult
 from .slots import SlotTable
+
+HostRows = dict[int, tuple[Sequence, torch.Tensor]]
+"""Slot -> (sequence, logits row) of the tokens a `HostSampler` picks at the end of a step."""
 
 
 class Engine:
@@ -60,9 +66,13 @@ class Engine:
             self._decoder = assemble(self.hf_config, self.config, self.weights)
         return graph_module(self._decoder, spec).eval()
 
-    def _graph(self, kind: GraphKind) -> GraphSpec:
-        """The graph of ``kind`` that runs this call (an artifact has one per kind)."""
-        return next(spec for spec in self.specs.values() if spec.kind is kind)
+    def _graph(self, kind: GraphKind, *, logits: bool = False, all_rows: bool = False) -> GraphSpec:
+        """The graph of ``kind`` that runs this call (`graphs.select_graph`): ``logits`` for a token-generation
+        graph returning logits, ``all_rows`` for a prefill graph returning every row's logits (`admit` refused
+        the sequences that need a graph the artifact lacks)."""
+        spec = select_graph(self.specs.values(), kind, logits=logits, all_rows=all_rows)
+        assert spec is not None, f"the artifact has no {kind.value} graph with logits={logits} all_rows={all_rows}"
+        return spec
 
     @property
     def prefill_kind(self) -> GraphKind:
@@ -82,9 +92,13 @@ class Engine:
         if seq_id in self._sequences:
             raise InputError(f"sequence {seq_id!r} is already admitted: release it first, or use another id.")
         tokens = self._checked_prompt(prompt)
-        params.check(self.config.max_topk)
+        if params.host is None:  # a HostSampler applies its own top-k
+            params.check(self.config.max_topk)
+        params.check_graphs(self.config)
         slot = self.slots.acquire(seq_id)
         sequence = Sequence(seq_id, slot, tokens, len(tokens), self.config.sequence_length, SequenceSampler(params))
+        if params.prompt_logprobs is not None:
+            sequence.scorer = PromptScorer(list(tokens), params.prompt_logprobs)
         self._sequences[seq_id] = sequence
         return sequence
 
@@ -107,6 +121,8 @@ class Engine:
         if sequence is not None and sequence.slot is not None:
             self.slots.release(sequence.slot)
             sequence.slot, sequence.computed = None, 0
+            if sequence.scorer is not None:  # its prompt rows are computed again from position 0
+                sequence.scorer.reset()
 
     def resume(self, seq_id: SeqId, tokens: Seq[int] | None = None) -> Sequence:
         """Give a preempted sequence a slot again, from cache position 0; ``tokens`` replaces its token
@@ -121,24 +137,33 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------------------
 
-    def step(self, work: Mapping[Any, int]) -> StepResult:
+    def step(self, work: Mapping[Any, int], sampler: HostSampler | None = None) -> StepResult:
         """Feed ``work[seq_id]`` pending tokens of each sequence: one token-generation call for every
         sequence that is decoding, then the prefill graph for every other range. Returns the tokens
-        sampled (and the prefill logits they were sampled from)."""
-        decodes, prefills = self._plan(work)
+        sampled, and the logits, logprobs and prompt logprobs asked for. ``sampler`` picks the tokens of the
+        sequences whose parameters carry its own (vLLM's sampler), all of them in one call at the end."""
+        decodes, prefills = self._plan(work, sampler)
         result = StepResult()
+        host: HostRows = {}
         if decodes:
-            self._decode(decodes, result)
+            self._decode(decodes, result, host)
         for sequence, count in prefills:
-            self._prefill(sequence, count, result)
+            self._prefill(sequence, count, result, host)
+        if host:
+            assert sampler is not None, "_plan refused host-sampled sequences without a sampler"
+            self._sample_on_host(sampler, host, result)
         return result
 
-    def _plan(self, work: Mapping[Any, int]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+    def _plan(
+        self, work: Mapping[Any, int], sampler: HostSampler | None
+    ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """Split ``work`` into decodes and prefill ranges, refusing any that the graphs cannot run."""
         decodes, prefills = [], []
         for seq_id, count in work.items():
             sequence = self.sequence(seq_id)
             self._check_work(sequence, count)
+            if sampler is None and sequence.sampler.params.host is not None:
+                raise InputError(f"sequence {seq_id!r} is sampled by a HostSampler: pass one to step().")
             if sequence.decoding and count == 1:
                 decodes.append(sequence)
             else:
@@ -162,50 +187,97 @@ class Engine:
                 f"0 ({sequence.pending} tokens), or re-export with --prefill_chunk_size C."
             )
 
-    def _decode(self, decodes: list[Sequence], result: StepResult) -> None:
+    def _decode(self, decodes: list[Sequence], result: StepResult, host: HostRows) -> None:
         """One token-generation call: row b is KV slot b; rows without a decoding sequence write to their
-        slot's scratch row, which nothing reads (invariant 9)."""
+        slot's scratch row, which nothing reads (invariant 9). The graph sampling on device runs unless a
+        decoding sequence needs its logits on the host: then the graph returning logits runs and its rows are
+        sampled on the host with the same rule and uniforms (or, for rows put in ``host``, by the HostSampler)."""
         by_slot = {_held(s): s for s in decodes}
         active = {slot: (s.tokens[-1], s.computed) for slot, s in by_slot.items()}
         ids, positions = decode_rows(self.config.batch_size, active, self.config.sequence_length)
-        rows = [by_slot[slot].sampler if slot in by_slot else None for slot in range(self.config.batch_size)]
+        ours = {slot for slot, s in by_slot.items() if s.sampler.params.host is None}
+        rows = [by_slot[slot].sampler if slot in ours else None for slot in range(self.config.batch_size)]
+        spec = self._graph(GraphKind.TOKEN_GENERATION, logits=any(s.sampler.params.needs_logits for s in decodes))
         inputs = {"input_ids": ids, "position_ids": positions}
-        if self.config.on_device_sampling:
+        if spec.samples_on_device:
             inputs.update(sampling_tensors(rows, self.config.max_topk))
-        out = self._call(self._graph(GraphKind.TOKEN_GENERATION), inputs)
-        tokens = out.cpu() if self.config.on_device_sampling else sample_on_host(out, rows, self.config.max_topk)
+        out = self._call(spec, inputs)
+        logits = None if spec.samples_on_device else out.float().cpu()
+        tokens = out.cpu() if logits is None else sample_on_host(logits, rows, self.config.max_topk)
         for slot, sequence in by_slot.items():
-            self._append(sequence, int(tokens[slot]), result)
+            if slot in ours:
+                self._append(sequence, int(tokens[slot]), result, None if logits is None else logits[slot])
+            else:
+                assert logits is not None, "a host-sampled sequence always runs the graph returning logits"
+                host[slot] = (sequence, logits[slot])
             sequence.computed += 1
             result.decodes.append(sequence.seq_id)
 
-    def _prefill(self, sequence: Sequence, count: int, result: StepResult) -> None:
-        """Prefill ``count`` pending tokens chunk by chunk; sample when the last pending one is in the cache."""
-        start = sequence.computed
+    def _prefill(self, sequence: Sequence, count: int, result: StepResult, host: HostRows) -> None:
+        """Prefill ``count`` pending tokens chunk by chunk (a chunk holding prompt rows to score runs the graph
+        returning every row's logits); sample when the last pending one is in the cache."""
+        start, scorer = sequence.computed, sequence.scorer
         logits = torch.empty(0)
         for chunk, chunk_start in split_chunks(sequence.tokens[start : start + count], start, self.chunk_size):
-            logits = self._run_prefill(chunk, chunk_start, _held(sequence))
+            scoring = scorer is not None and scorer.wants(chunk_start)
+            rows = self._run_prefill(chunk, chunk_start, _held(sequence), all_rows=scoring)
+            if scorer is not None and scoring:
+                scorer.add(chunk_start, rows)
+            logits = rows[-1]  # the last real token's (invariant 5)
             sequence.computed = chunk_start + len(chunk)
         result.prefills.append((sequence.seq_id, start, count))
-        if sequence.pending == 0:
-            result.logits[sequence.seq_id] = logits
-            token = sample_on_host(logits[None], [sequence.sampler], self.config.max_topk)[0]
-            self._append(sequence, int(token), result)
+        if sequence.pending > 0:
+            return
+        if scorer is not None:
+            result.prompt_logprobs[sequence.seq_id] = scorer.result()
+            sequence.scorer = None
+        if sequence.sampler.params.host is not None:
+            host[_held(sequence)] = (sequence, logits)
+            return
+        token = sample_on_host(logits[None], [sequence.sampler], self.config.max_topk)[0]
+        self._append(sequence, int(token), result, logits)
 
-    def _run_prefill(self, token_ids: list[int], start: int, slot: int) -> torch.Tensor:
-        """One prefill-graph call on up to one chunk of real tokens; the last real token's logits ``[V]``."""
+    def _run_prefill(self, token_ids: list[int], start: int, slot: int, all_rows: bool) -> torch.Tensor:
+        """One prefill-graph call on up to one chunk of real tokens: the last real token's logits ``[1, V]``, or
+        with ``all_rows`` those of every real row ``[n, V]`` (the actual-tokens mask drops the padded ones)."""
         ids, positions = pad_chunk(token_ids, start, self.chunk_size)
         inputs = {"input_ids": ids, "position_ids": positions, "seq_ids": torch.tensor([slot])}
-        return self._call(self._graph(self.prefill_kind), inputs)[0].float().cpu()
+        out = self._call(self._graph(self.prefill_kind, all_rows=all_rows), inputs).float().cpu()
+        return out[actual_tokens_mask(positions)[0]] if all_rows else out
+
+    def _sample_on_host(self, sampler: HostSampler, host: HostRows, result: StepResult) -> None:
+        """The tokens of the sequences a `HostSampler` samples, in one call (row b of its logits: slot b)."""
+        vocab = next(iter(host.values()))[1].shape[-1]
+        logits = torch.zeros(self.config.batch_size, vocab)
+        for slot, (_, row) in host.items():
+            logits[slot] = row
+        tokens, scored = sampler.sample(logits, {slot: sequence for slot, (sequence, _) in host.items()})
+        for slot, (sequence, row) in host.items():
+            self._append(sequence, int(tokens[slot]), result, row, scored[slot])
 
     def _call(self, spec: GraphSpec, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         placed = {k: v.to(self.device) for k, v in inputs.items()}
         return self.graphs[spec.name](*graph_args(spec.kind, placed, self.kv_cache))
 
     @staticmethod
-    def _append(sequence: Sequence, token: int, result: StepResult) -> None:
+    def _append(
+        sequence: Sequence,
+        token: int,
+        result: StepResult,
+        logits: torch.Tensor | None = None,
+        scored: torch.Tensor | None = None,
+    ) -> None:
+        """Append ``token``; report it, with the ``logits [V]`` it was sampled from when they reached the host and,
+        when asked, its logprobs (computed from ``scored``, the logits as the sampler saw them; default ``logits``)."""
         sequence.tokens.append(token)
         result.tokens[sequence.seq_id] = token
+        if logits is None:
+            return
+        result.logits[sequence.seq_id] = logits
+        top = sequence.sampler.params.logprobs
+        if top is not None:
+            basis = logits if scored is None else scored
+            result.logprobs[sequence.seq_id] = token_logprobs(basis[None], torch.tensor([token]), top)
 
     def _checked_prompt(self, prompt: Seq[int]) -> list[int]:
         """``prompt`` as a list of ints; `InputError` unless it fits a slot and holds only vocabulary ids (an

@@ -1,16 +1,59 @@
 """HF-style generation as a thin adapter over the `Engine`: admit every prompt, prefill them all in one
 step, then one decode step at a time until each sequence stops (an EOS id, ``max_new_tokens``, or a
-full KV slot). Row ``i`` samples with ``seed + i`` when a seed is given."""
+full KV slot). Row ``i`` samples with ``seed + i`` when a seed is given. `score_prompts` scores texts with
+the same engine path (prompt logprobs)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
 
 from ..errors import InputError
 from .engine import Engine
+from .logprobs import Logprobs
 from .sampling import SamplingParams
 from .sequence import Sequence
+
+
+@dataclass
+class Generation:
+    """What `generate` produced for each row."""
+
+    tokens: list[list[int]]
+    """The new tokens of each row."""
+    logits: list[list[torch.Tensor]] = field(default_factory=list)
+    """With ``params.return_logits``: the logits ``[V]`` each new token of each row was sampled from."""
+
+
+def generate(
+    engine: Engine,
+    prompts: Seq[Seq[int]],
+    max_new_tokens: int,
+    params: SamplingParams,
+    eos_token_ids: set[int],
+) -> Generation:
+    """New tokens (and, with ``params.return_logits``, their logits) for each prompt; every slot taken is given
+    back, whatever happens."""
+    _check_batch(engine, prompts, max_new_tokens)
+    call = object()  # this call's sequence ids cannot clash with anyone else's
+    ids = [(call, row) for row in range(len(prompts))]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    try:
+        sequences = [engine.admit(ids[row], p, _row_params(params, row)) for row, p in enumerate(prompts)]
+        work = {s.seq_id: s.pending for s in sequences}
+        while work:
+            result = engine.step(work)
+            for row, seq_id in enumerate(ids):
+                if seq_id in result.logits and params.return_logits:
+                    logits[row].append(result.logits[seq_id])
+            work = {s.seq_id: 1 for s in sequences if not _stopped(s, max_new_tokens, eos_token_ids)}
+    finally:
+        for seq_id in ids:
+            engine.release(seq_id)
+    return Generation([s.generated for s in sequences], logits if params.return_logits else [])
 
 
 def generate_tokens(
@@ -20,19 +63,31 @@ def generate_tokens(
     params: SamplingParams,
     eos_token_ids: set[int],
 ) -> list[list[int]]:
-    """New tokens for each prompt; every slot taken is given back, whatever happens."""
-    _check_batch(engine, prompts, max_new_tokens)
-    call = object()  # this call's sequence ids cannot clash with anyone else's
-    ids = [(call, row) for row in range(len(prompts))]
-    try:
-        sequences = [engine.admit(ids[row], p, _row_params(params, row)) for row, p in enumerate(prompts)]
-        engine.step({s.seq_id: s.pending for s in sequences})
-        while live := [s for s in sequences if not _stopped(s, max_new_tokens, eos_token_ids)]:
-            engine.step({s.seq_id: 1 for s in live})
-    finally:
-        for seq_id in ids:
-            engine.release(seq_id)
-    return [s.generated for s in sequences]
+    """The new tokens of `generate`."""
+    return generate(engine, prompts, max_new_tokens, params, eos_token_ids).tokens
+
+
+def score_prompts(engine: Engine, prompts: Seq[Seq[int]], top: int = 0) -> list[Logprobs]:
+    """The logprobs of every token of each prompt but the first (with its ``top`` most likely alternatives), from
+    the prefill graph returning every row's logits; prompts are scored as many at a time as slots are free."""
+    if not prompts:
+        raise InputError("score() needs at least one prompt.")
+    if engine.slots.free_count == 0:
+        raise InputError("every KV slot is in use: release a sequence before scoring.")
+    scored: list[Logprobs] = []
+    params = SamplingParams(prompt_logprobs=top)
+    for first in range(0, len(prompts), engine.slots.free_count):
+        group = prompts[first : first + engine.slots.free_count]
+        call = object()
+        ids = [(call, row) for row in range(len(group))]
+        try:
+            sequences = [engine.admit(seq_id, p, params) for seq_id, p in zip(ids, group, strict=True)]
+            result = engine.step({s.seq_id: s.pending for s in sequences})
+        finally:
+            for seq_id in ids:
+                engine.release(seq_id)
+        scored.extend(result.prompt_logprobs[seq_id] for seq_id in ids)
+    return scored
 
 
 def _check_batch(engine: Engine, prompts: Seq[Seq[int]], max_new_tokens: int) -> None:

@@ -1,21 +1,30 @@
 """Per-request sampling parameters and the host side of hybrid sampling (invariant 6).
 
 `SamplingParams.check` is the one ``top_k`` policy (a sampled request may not ask for more candidates
-than the artifact's ``max_topk``: refused, naming ``--max_topk``); `SamplingParams.resolve` is the one
-place that turns parameters into what the sampler takes. `sample_on_host` samples prefill logits on the
-CPU with the same `sample_tokens` function the token-generation graph runs, with uniforms drawn from
-each sequence's seeded generator (`SequenceSampler`).
+than the artifact's ``max_topk``: refused, naming ``--max_topk``); `SamplingParams.check_graphs` refuses what
+the artifact has no graph for; `SamplingParams.resolve` is the one place that turns parameters into what the
+sampler takes. `sample_on_host` samples prefill logits on the CPU with the same `sample_tokens` function the
+token-generation graph runs, with uniforms drawn from each sequence's seeded generator (`SequenceSampler`).
+A sequence whose parameters carry a `HostSampler`'s own (``host``: vLLM's sampling parameters) is sampled by
+that sampler instead, from the full logits, every step.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..errors import InputError
-from ..models.layers.sampling import sample_tokens
+from ..graphs import GraphKind, graph_specs, prefill_kind, select_graph
+from ..models.layers.sampling import processed_scores, sample_tokens
+
+if TYPE_CHECKING:
+    from ..config import NeuronConfig
+    from .sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -29,12 +38,34 @@ class SamplingParams:
     tokens, the candidates every graph keeps); at most ``max_topk`` otherwise (`check`)."""
     top_p: float = 1.0
     seed: int | None = None
+    logprobs: int | None = None
+    """Log-probabilities returned with each sampled token (`StepResult.logprobs`): None for none, 0 for the sampled
+    token's own, N for it and the N most likely tokens, -1 for the whole vocabulary."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token but the first (`StepResult.prompt_logprobs`, once the prompt is in the
+    cache); needs an artifact exported with ``--prompt_logprobs``."""
+    return_logits: bool = False
+    """Return the logits each token is sampled from (`StepResult.logits`), decodes included."""
+    host: Any = field(default=None, compare=False, hash=False)
+    """A `HostSampler`'s own parameters (vLLM's ``SamplingParams``): when set, the `HostSampler` passed to
+    `Engine.step` chooses this sequence's tokens from the full logits, every step; the fields above then
+    only say which logprobs to return."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:  # also refuses NaN
             raise InputError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < -1):
+                raise InputError(f"{name} must be None, -1 (whole vocabulary) or a count >= 0, got {value!r}.")
+
+    @property
+    def needs_logits(self) -> bool:
+        """True when each sampled token's logits must reach the host (the token-generation graph returning
+        logits runs on the steps where this sequence decodes)."""
+        return self.logprobs is not None or self.return_logits or self.host is not None
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +80,36 @@ class SamplingParams:
                 f"top_k={self.top_k} exceeds this artifact's max_topk={max_topk}: lower top_k, or re-export with "
                 f"--max_topk {self.top_k} or more."
             )
+
+    def check_graphs(self, config: NeuronConfig) -> None:
+        """`InputError` when the artifact built from ``config`` has no graph these parameters need."""
+        specs = graph_specs(config)
+        if self.prompt_logprobs is not None and not select_graph(specs, prefill_kind(config), all_rows=True):
+            raise InputError(
+                "prompt logprobs need the prefill graph that returns every row's logits, which this artifact was "
+                "exported without: re-export with --prompt_logprobs."
+            )
+        if self.needs_logits and not select_graph(specs, GraphKind.TOKEN_GENERATION, logits=True):
+            raise InputError(
+                "logprobs, logits and host sampling (penalties, min_p, min_tokens, logit_bias, bad words, allowed "
+                "token ids, structured output) need the token-generation graph that returns logits, which this "
+                "artifact was exported without (--no_decode_logits): re-export without that flag."
+            )
+
+    def scores(self, logits: torch.Tensor, max_topk: int) -> torch.Tensor:
+        """transformers' ``output_scores`` of ``logits [N, V]`` under these parameters: the raw logits when greedy,
+        else what the sampler draws from (temperature applied, tokens outside top-k / top-p at ``-inf``)."""
+        if self.greedy:
+            return logits.float().clone()
+        temperature, top_k, top_p = self.resolve(max_topk)
+        rows = logits.shape[0]
+        return processed_scores(
+            logits.float(),
+            torch.full((rows,), temperature),
+            torch.full((rows,), top_k),
+            torch.full((rows,), top_p),
+            max_topk,
+        )
 
     def resolve(self, max_topk: int) -> tuple[float, int, float]:
         """``(temperature, top_k, top_p)`` as the sampler takes them (after `check`)."""
@@ -89,3 +150,14 @@ def sample_on_host(logits: torch.Tensor, samplers: list[SequenceSampler | None],
     """Sample ``logits [N, V]`` on the CPU with the graph's own rule; returns token ids ``[N]``."""
     t = sampling_tensors(samplers, max_topk)
     return sample_tokens(logits.float().cpu(), t["temperature"], t["top_k"], t["top_p"], t["uniforms"], max_topk)
+
+
+class HostSampler(Protocol):
+    """Chooses tokens on the host with rules the toolkit does not implement itself (vLLM's sampler: penalties,
+    logits processors, structured output), for the sequences whose parameters carry its own (``host``)."""
+
+    def sample(self, logits: torch.Tensor, rows: Mapping[int, Sequence]) -> tuple[dict[int, int], torch.Tensor]:
+        """Tokens of ``rows`` (KV slot -> sequence) from ``logits [batch_size, V]`` (row b: slot b's logits; rows
+        not in ``rows`` hold nothing). Returns the token of each slot and the logits its logprobs are computed
+        from (``[batch_size, V]``: e.g. after a grammar mask, as vLLM's raw logprobs are)."""
+        ...

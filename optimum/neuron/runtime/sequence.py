@@ -2,7 +2,8 @@
 
 A `Sequence` is owned by the `Engine`: callers read it, only the engine changes it. Its fields are the
 whole bookkeeping of a sequence (there is no second copy anywhere): its KV slot, its tokens (prompt,
-then every token sampled), how many of them are in the cache, and its seeded sampler.
+then every token sampled), how many of them are in the cache, its seeded sampler, and (when its prompt logprobs
+are asked) the prompt rows scored so far.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .logprobs import Logprobs, PromptScorer
 from .sampling import SequenceSampler
 
 SeqId = Hashable
@@ -33,6 +35,8 @@ class Sequence:
     sampler: SequenceSampler
     computed: int = 0
     """Tokens whose K/V are in the slot's cache: also the cache position the next token is written at."""
+    scorer: PromptScorer | None = None
+    """Its prompt logprobs while they are gathered (None when not asked, or once returned)."""
 
     @property
     def pending(self) -> int:
@@ -64,7 +68,14 @@ class StepResult:
     """The token each sequence sampled this step: every decode, and every prefill that reached the end
     of its pending tokens. A prefill that stops short of it samples nothing."""
     logits: dict[SeqId, torch.Tensor] = field(default_factory=dict)
-    """For each prefill that reached its end: the last token's logits ``[V]`` (fp32, host), sampled above."""
+    """The logits ``[V]`` (fp32, host) each token above was sampled from, when they reached the host: every prefill
+    that reached its end (its last token's logits), and the decodes of a step that ran the token-generation graph
+    returning logits (some sequence needed them)."""
+    logprobs: dict[SeqId, Logprobs] = field(default_factory=dict)
+    """For each token above whose sequence asks logprobs: one row, the token's and its most likely alternatives'."""
+    prompt_logprobs: dict[SeqId, Logprobs] = field(default_factory=dict)
+    """For each sequence that asks prompt logprobs, at the step its prompt is all in the cache (the step that samples
+    its first token): one row per prompt token but the first."""
     decodes: list[SeqId] = field(default_factory=list)
     """Sequences fed through the token-generation graph, in row order."""
     prefills: list[tuple[SeqId, int, int]] = field(default_factory=list)
