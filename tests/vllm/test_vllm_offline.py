@@ -126,6 +126,28 @@ def test_long_prompt_chunks_interleave_with_running_decodes() -> None:
     assert llm.collective_rpc("slot_usage") == [{}], "a finished request kept its KV slot"
 
 
+@subprocess_test
+def test_n_parallel_samples_are_seeded_wait_for_slots_and_free_them() -> None:
+    """n=3 on a 2-slot artifact: vLLM's front end fans the request out into 3 requests of their own (seeds seed+i);
+    the third waits for a slot instead of failing; the same seed gives the same 3 completions; no slot is kept."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(export_fixture("llama-2x4x8-inductor")), seed=0)
+    ids = prompt(CHUNK + 3, 5)
+
+    def completions(seed: int) -> list[list[int]]:
+        params = SamplingParams(n=3, seed=seed, temperature=1.0, top_k=50, max_tokens=NEW_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs
+        return [list(c.token_ids) for c in outputs]
+
+    first, again, other = completions(7), completions(7), completions(8)
+    assert len(first) == 3 and all(len(t) == NEW_TOKENS for t in first)
+    assert first == again, "the same seed gave other completions"
+    assert len({tuple(t) for t in first}) == 3, "the 3 children sampled the same tokens"
+    assert other != first, "seeds 7 and 8 agree"
+    assert llm.collective_rpc("slot_usage") == [{}], "a child request kept its KV slot"
+
+
 LONG = 8300
 """A prompt longer than vLLM's default token budgets (2048 for ``vllm serve``, 8192 for ``LLM``)."""
 

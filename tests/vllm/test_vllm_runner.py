@@ -13,13 +13,12 @@ import pytest
 from vllm import SamplingParams as VllmParams
 
 from optimum.neuron.errors import InputError, SlotError
-from optimum.neuron.vllm.compat import CachedRequest, NewRequest, Step
+from optimum.neuron.vllm.compat import CachedRequest
 from optimum.neuron.vllm.runner import Runner
 from tests.contract.engine_tools import alone, engine_for, prompt
+from tests.vllm.steps import CHUNK, Driver, cached, new_request, step
 
 pytestmark = [pytest.mark.vllm]
-CHUNK = 8
-GREEDY = VllmParams(temperature=0.0, max_tokens=32)
 
 
 @pytest.fixture
@@ -30,44 +29,6 @@ def runner() -> Runner:
 def expected(runner: Runner, ids: list[int], new: int) -> list[int]:
     """Greedy tokens of ``generate()`` on the same engine (slots are given back afterwards)."""
     return alone(runner.engine, ids, new)
-
-
-def step(
-    scheduled: dict[str, int],
-    new: list[NewRequest] | None = None,
-    cached: list[CachedRequest] | None = None,
-    finished: set[str] | None = None,
-    preempted: set[str] | None = None,
-) -> Step:
-    return Step(new or [], cached or [], scheduled, finished or set(), preempted or set())
-
-
-def new_request(req_id: str, ids: list[int], params: VllmParams = GREEDY) -> NewRequest:
-    return NewRequest(req_id, ids, params, 0)
-
-
-def cached(req_id: str, computed: int) -> CachedRequest:
-    return CachedRequest(req_id, computed, False, None)
-
-
-class Driver:
-    """Feeds steps like vLLM's scheduler: it tracks computed tokens per request and collects outputs."""
-
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
-        self.computed: dict[str, int] = {}
-        self.out: dict[str, list[int]] = {}
-
-    def run(self, scheduled: dict[str, int], new: list[NewRequest] = (), **kw: set[str]) -> dict[str, list[int]]:  # type: ignore[assignment]
-        known = [cached(r, self.computed[r]) for r in scheduled if r in self.computed]
-        ids, sampled = self.runner.execute(step(scheduled, list(new), known, **kw))
-        assert ids == list(scheduled)
-        for r in list(kw.get("finished", ())) + list(kw.get("preempted", ())):
-            self.computed.pop(r, None)
-        for r, count in scheduled.items():
-            self.computed[r] = self.computed.get(r, 0) + count
-            self.out.setdefault(r, []).extend(sampled[r])
-        return sampled
 
 
 def test_prompt_in_uneven_chunks_then_decode(runner: Runner) -> None:
@@ -136,8 +97,7 @@ def test_preempted_request_resumes_with_the_same_tokens(runner: Runner) -> None:
     all_tokens = ids + d.out["a"]
     # vLLM resumes it with every token so far, to be recomputed from position 0.
     resumed = CachedRequest("a", 0, True, all_tokens)
-    _, sampled = runner.execute(step({"a": len(all_tokens)}, cached=[resumed]))
-    d.out["a"] += sampled["a"]
+    d.out["a"] += runner.execute(step({"a": len(all_tokens)}, cached=[resumed])).sampled["a"]
     d.computed["a"] = len(all_tokens)
     for _ in range(2):
         d.run({"a": 1})
@@ -152,8 +112,8 @@ def test_more_requests_than_slots_is_a_slot_error(runner: Runner) -> None:
 
 
 def test_unsupported_sampling_parameter_is_refused(runner: Runner) -> None:
-    params = VllmParams(temperature=0.7, presence_penalty=0.5)
-    with pytest.raises(InputError, match="presence_penalty"):
+    params = VllmParams(temperature=0.7, logprob_token_ids=[3, 4])
+    with pytest.raises(InputError, match="logprob_token_ids"):
         runner.execute(step({"a": 2}, [new_request("a", [5, 6], params)]))
     assert runner.engine.slots.free_count == 2
 

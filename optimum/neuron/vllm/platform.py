@@ -53,6 +53,21 @@ def resolve_limits(vllm_config: Any, neuron: NeuronConfig) -> None:
     sched.verify_max_model_len(model.max_model_len)
 
 
+def check_sampling_config(model_config: Any) -> None:
+    """Refuse engine-wide sampling options the plugin does not implement: logprobs other than vLLM's default raw
+    logprobs, and custom logits processors."""
+    if model_config.logprobs_mode != "raw_logprobs":
+        raise IncompatibleConfigError(
+            f"logprobs_mode={model_config.logprobs_mode!r} is not supported by optimum-neuronx: drop --logprobs-mode "
+            "(logprobs are the log-softmax of the raw logits, vLLM's default raw_logprobs)."
+        )
+    if model_config.logits_processors:
+        raise IncompatibleConfigError(
+            "custom logits processors are not supported by optimum-neuronx: drop --logits-processors (min_p, "
+            "min_tokens and logit_bias, vLLM's built-in ones, are)."
+        )
+
+
 class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
     """Out-of-tree vLLM platform for optimum-neuronx artifacts (verified for CPU artifacts; it declares a CPU
     device, so serving a CUDA artifact is neither written nor run: docs/cuda.md)."""
@@ -115,6 +130,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
                 "optimum-neuronx serves with tensor_parallel_size=1 only: drop --tensor-parallel-size "
                 f"(the artifact was exported with {flag('tp_degree')} {neuron.tp_degree})."
             )
+        check_sampling_config(vllm_config.model_config)
         vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
         # Start the engine core by spawn, as vLLM's CPU platform does: a process forked after torch ran
         # intra-op (OpenMP) work hangs in its first parallel op (seen: allocating the KV cache).
@@ -143,6 +159,6 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         """Refuse, per request, sampling parameters the graphs do not implement or the artifact cannot hold."""
         assert self.served is not None, "vLLM validates requests only after check_and_update_config"
         try:
-            check_request(params, self.served.max_topk)
+            check_request(params, self.served)
         except InputError as err:  # vLLM answers its own validation error with HTTP 400, anything else 500
             raise compat.request_error(str(err)) from err

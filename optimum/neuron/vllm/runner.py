@@ -1,20 +1,23 @@
-"""The model runner: one scheduler step (plain `Step` data) -> one `Engine.step` -> sampled tokens.
+"""The model runner: one scheduler step (plain `Step` data) -> one `Engine.step` -> what it sampled.
 
 A thin adapter: finished requests are released, preempted ones preempted, new ones admitted,
-resumed ones resumed, and the scheduled token counts go to the engine as they are. The engine keeps
-every request's tokens, cache progress and sampler; the runner only checks that vLLM's count of
-computed tokens agrees with the engine's, and keeps a log of what each step ran.
+resumed ones resumed, and the scheduled token counts go to the engine as they are, with vLLM's own
+sampler (`compat.HostSampling`, bound to the step's grammar bitmask) for the requests that need it. The
+engine keeps every request's tokens, cache progress, sampler and prompt logprobs; the runner only checks
+that vLLM's count of computed tokens agrees with the engine's, and keeps a log of what each step ran.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import InputError, SlotError
 from ..runtime.engine import Engine
+from ..runtime.logprobs import Logprobs
 from ..runtime.sequence import StepResult
-from .compat import CachedRequest, Step
+from .compat import CachedRequest, HostSampling, Step
 from .sampling import to_sampling_params
 
 
@@ -27,17 +30,31 @@ class StepRecord:
     prefills: list[tuple[str, int, int]] = field(default_factory=list)
 
 
+@dataclass
+class StepOutput:
+    """What one scheduler step produced, per scheduled request."""
+
+    req_ids: list[str]
+    """The scheduled requests, in the scheduler's order."""
+    sampled: dict[str, list[int]]
+    """The tokens sampled (``[]`` for a prefill that has not reached the end of its prompt)."""
+    logprobs: dict[str, Logprobs]
+    """The sampled tokens' logprobs, for the requests that ask them."""
+    prompt_logprobs: dict[str, Logprobs]
+    """The prompt logprobs of the requests that ask them, at the step their prompt completes."""
+
+
 class Runner:
     """Drives an `Engine` from scheduler steps."""
 
     def __init__(self, engine: Engine, keep_records: int = 10_000) -> None:
         self.engine = engine
+        self.host = HostSampling(engine.config.batch_size, engine.hf_config.vocab_size)
         self.records: deque[StepRecord] = deque(maxlen=keep_records)
         self._steps = 0
 
-    def execute(self, step: Step) -> tuple[list[str], dict[str, list[int]]]:
-        """Run ``step``; returns the scheduled request ids and, per id, the tokens sampled
-        (``[]`` for a prefill that has not reached the end of its prompt)."""
+    def execute(self, step: Step, grammar_output: Any = None) -> StepOutput:
+        """Run ``step`` (with the step's grammar bitmask, ``GrammarOutput``, for structured-output requests)."""
         for req_id in step.finished:
             self.engine.release(req_id)
         for req_id in step.preempted:
@@ -48,10 +65,11 @@ class Runner:
             self.engine.admit(new.req_id, new.prompt_token_ids, to_sampling_params(new.sampling_params))
         for cached in step.cached:
             self._sync(cached)
-        result = self.engine.step(step.num_scheduled_tokens)
+        result = self.engine.step(step.num_scheduled_tokens, self.host.for_step(grammar_output))
         self._record(result)
         scheduled = list(step.num_scheduled_tokens)
-        return scheduled, {r: [result.tokens[r]] if r in result.tokens else [] for r in scheduled}
+        sampled = {r: [result.tokens[r]] if r in result.tokens else [] for r in scheduled}
+        return StepOutput(scheduled, sampled, result.logprobs, result.prompt_logprobs)  # type: ignore[arg-type]
 
     def _sync(self, cached: CachedRequest) -> None:
         """Resume a preempted request; check vLLM's computed-token count against the engine's."""

@@ -1,57 +1,55 @@
-"""vLLM ``SamplingParams`` -> our `SamplingParams`, refusing what the graphs do not implement.
+"""vLLM ``SamplingParams`` -> our `SamplingParams`, refusing what the plugin does not implement.
 
-Supported: temperature (0 = greedy), top_k (up to the artifact's ``max_topk``: `SamplingParams.check`), top_p, seed,
-max_tokens, stop / stop_token_ids, ignore_eos (the last four are applied by vLLM's scheduler and
-detokenizer). Everything else that would change the tokens is refused per request with the reason.
+A request that needs only temperature (0 = greedy), top_k (up to the artifact's ``max_topk``: `SamplingParams.check`),
+top_p and seed is sampled by the toolkit's own rule (on device in the token-generation graph, hybrid sampling).
+A request that needs more (penalties, min_p, min_tokens, logit_bias, allowed token ids, bad words, structured
+output) carries its vLLM parameters (``host``) and is sampled by vLLM's own sampler (`compat.HostSampling`).
+``logprobs`` and ``prompt_logprobs`` are returned for either; ``n`` is fanned out by vLLM's front end into
+requests of their own. max_tokens, stop / stop_token_ids and ignore_eos are applied by vLLM's scheduler and
+detokenizer.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..config import NeuronConfig
 from ..errors import InputError
 from ..runtime.sampling import SamplingParams
+from . import compat
 
-_NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "min_tokens": 0,
-    "logprobs": None,
-    "prompt_logprobs": None,
-    "logit_bias": None,
-    "allowed_token_ids": None,
-    "bad_words": None,
-    "structured_outputs": None,
-    "logits_processors": None,
+_REFUSED: dict[str, Any] = {
+    "prompt_logprob_token_ids": None,
+    "logprob_token_ids": None,
+    "thinking_token_budget": None,
+    "trace_decode_token_ids": None,
 }
-"""Parameters we do not implement, with the value that means "not used"."""
+"""Parameters the plugin does not implement, with the value that means "not used"."""
 
 
 def unsupported_fields(params: Any) -> list[str]:
     """Names of the parameters of ``params`` set to something other than their neutral value."""
-    found = [name for name, neutral in _NEUTRAL.items() if getattr(params, name, neutral) not in (neutral, [], {})]
-    if getattr(params, "n", 1) != 1:
-        found.append("n")
-    return found
+    return [name for name, neutral in _REFUSED.items() if getattr(params, name, neutral) not in (neutral, [], {})]
 
 
-def check_request(params: Any, max_topk: int) -> None:
-    """`InputError` when ``params`` asks for something the artifact cannot sample."""
-    to_sampling_params(params).check(max_topk)
+def check_request(params: Any, config: NeuronConfig) -> None:
+    """`InputError` when ``params`` asks for something the artifact cannot serve."""
+    ours = to_sampling_params(params)
+    if ours.host is None:
+        ours.check(config.max_topk)
+    ours.check_graphs(config)
 
 
 def to_sampling_params(params: Any) -> SamplingParams:
-    """Our `SamplingParams` for a vLLM ``SamplingParams``; `InputError` for parameters we do not implement
-    (the artifact's limits are checked by `SamplingParams.check`)."""
+    """Our `SamplingParams` for a vLLM ``SamplingParams``; `InputError` for parameters we do not implement (the
+    artifact's limits are checked by `SamplingParams.check` and `SamplingParams.check_graphs`)."""
     if params is None or not hasattr(params, "temperature"):
         raise InputError("optimum-neuronx serves text generation only (no pooling / embedding requests).")
     bad = unsupported_fields(params)
     if bad:
         raise InputError(
-            f"sampling parameter(s) {', '.join(sorted(bad))} are not supported by optimum-neuronx; supported: "
-            "temperature, top_k, top_p, seed, max_tokens, stop, stop_token_ids, ignore_eos, n=1."
+            f"sampling parameter(s) {', '.join(sorted(bad))} are not supported by optimum-neuronx (docs/vllm.md lists "
+            "what is)."
         )
     greedy = params.temperature == 0.0
     return SamplingParams(
@@ -60,4 +58,7 @@ def to_sampling_params(params: Any) -> SamplingParams:
         top_k=max(int(params.top_k), 0),
         top_p=float(params.top_p),
         seed=params.seed,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        host=params if compat.needs_vllm_sampler(params) else None,
     )

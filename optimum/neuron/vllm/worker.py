@@ -26,6 +26,8 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.runner: Runner | None = None
+        self._waiting: compat.Step | None = None
+        """A step held back by `execute_model` until `sample_tokens` brings its grammar bitmask."""
 
     # --- lifetime ---------------------------------------------------------------------------
 
@@ -94,14 +96,25 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         return ("generate",)
 
     def execute_model(self, scheduler_output: Any) -> Any:
-        """One scheduler step -> ``ModelRunnerOutput``."""
-        assert self.runner is not None, "load_model() runs before the first step"
-        req_ids, sampled = self.runner.execute(compat.read_step(scheduler_output))
-        return compat.runner_output(req_ids, sampled)
+        """One scheduler step -> ``ModelRunnerOutput``; None when a scheduled request uses structured output: vLLM's
+        engine core then computes the grammar bitmask and calls `sample_tokens` with it, which runs the step."""
+        step = compat.read_step(scheduler_output)
+        if step.structured:
+            self._waiting = step
+            return None
+        return self._run(step, None)
 
     def sample_tokens(self, grammar_output: Any) -> Any:
-        """Never reached: `execute_model` always returns the sampled tokens."""
-        raise NotImplementedError("optimum-neuronx samples inside execute_model; structured output is unsupported")
+        """Run the step `execute_model` held back, with its grammar bitmask (``GrammarOutput`` or None)."""
+        step, self._waiting = self._waiting, None
+        if step is None:
+            return compat.runner_output([], {})
+        return self._run(step, grammar_output)
+
+    def _run(self, step: compat.Step, grammar_output: Any) -> Any:
+        assert self.runner is not None, "load_model() runs before the first step"
+        out = self.runner.execute(step, grammar_output)
+        return compat.runner_output(out.req_ids, out.sampled, out.logprobs, out.prompt_logprobs)
 
     def take_draft_token_ids(self) -> None:
         """No speculative decoding."""
