@@ -44,11 +44,12 @@ class NeuronConfig:
     """Weights, activations and KV-cache dtype: one of ``fp32``, ``bf16``, ``fp16``."""
     on_device_sampling: bool = True
     """Token generation samples inside the graph (returns token ids) instead of returning logits."""
-    decode_logits: bool = True
+    decode_logits: bool = False
     """With on_device_sampling, also compile a token-generation graph that returns logits: the engine runs it only
-    on steps where a sequence needs logits on the host (logprobs, vLLM's host sampling for penalties, min_p,
-    min_tokens, logit_bias, bad words, allowed token ids and structured output, generate()'s scores); every other
-    step keeps the on-device sampling graph. Off: such requests are refused. Costs one more compiled graph."""
+    on steps where a decoding sequence needs its logits on the host (logprobs, vLLM's host sampling for penalties,
+    min_p, min_tokens, logit_bias, bad words, allowed token ids and structured output, generate()'s scores); every
+    other step keeps the on-device sampling graph. Off: such requests are refused (an artifact exported with
+    --no_on_device_sampling serves them without it). Costs one more compiled graph (SmolLM2: +40% export time)."""
     prompt_logprobs: bool = False
     """Also compile a prefill graph that returns the logits of every real row of a chunk (or of the whole prompt for
     context encoding), run only for the chunks of a prompt whose logprobs are asked: vLLM's prompt_logprobs and

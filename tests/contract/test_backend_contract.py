@@ -35,7 +35,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from optimum.neuron.graphs import GraphKind, example_inputs, graph_args
-from optimum.neuron.runtime.sampling import SamplingParams
 from tests.contract.engine_tools import (
     BACKENDS,
     GREEDY,
@@ -97,18 +96,13 @@ def test_graphs_are_called_with_their_static_shapes_only(backend: str) -> None:
     recorder = Recorder(engine)
     before = compiles(backend)
     for index, length in enumerate((1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1)):  # 1+1+1+2+3 chunk calls
-        engine.admit(index, prompt(length, index), SamplingParams(logprobs=0) if index == 4 else GREEDY)
+        engine.admit(index, prompt(length, index), GREEDY)
         engine.step({index: length})
         if index < 3:
             engine.release(index)
-    for work in ({3: 1}, {4: 1}, {3: 1, 4: 1}):  # one token-generation call each (with logprobs: the logits graph)
+    for work in ({3: 1}, {4: 1}, {3: 1, 4: 1}):  # one token-generation call each
         engine.step(work)
-    kinds = [GraphKind.CHUNKED_PREFILL, GraphKind.TOKEN_GENERATION, GraphKind.TOKEN_GENERATION]
-    assert [s.kind for s in engine.specs.values()] == kinds
-    tg_calls = [name for name, _ in recorder.calls[-3:]]
-    assert tg_calls == ["token_generation", "token_generation_logits", "token_generation_logits"], (
-        "a step runs the graph returning logits exactly when a decoding sequence needs them"
-    )
+    assert [s.kind for s in engine.specs.values()] == [GraphKind.CHUNKED_PREFILL, GraphKind.TOKEN_GENERATION]
     for name, spec in engine.specs.items():
         example = graph_args(spec.kind, example_inputs(spec), engine.kv_cache)
         expected = {tuple((tuple(t.shape), t.dtype) for t in flat_tensors(example))}

@@ -4,7 +4,9 @@
   transformers' log_softmax of the full-prompt forward within 1e-4, seams included; fed in uneven steps too;
   ``score()`` of a padded batch;
 * sampled-token logprobs under greedy equal transformers' top-5 at each step (the first token's from the prefill
-  logits); a plain sequence decoding beside them (its rows now come from the logits graph) keeps its tokens;
+  logits); the graph returning logits runs only on the steps where a decoding sequence needs them, and a seeded
+  temperature / top-k / top-p sequence decoding beside them (its rows then sampled on the host from that graph's
+  logits) draws exactly the tokens it draws alone with on-device sampling;
 * ``generate(output_scores=True, output_logits=True)`` equals transformers' ``generate`` outputs.
 """
 
@@ -13,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimum.neuron.runtime.generate import score_prompts
+from optimum.neuron.runtime.generate import generate_tokens, score_prompts
 from optimum.neuron.runtime.sampling import SamplingParams
-from tests.contract.engine_tools import BACKENDS, GREEDY, alone, neuron_model, prompt
+from tests.contract.engine_tools import BACKENDS, Recorder, neuron_model, prompt
 from tests.fixtures.llm.models import tiny_model
 from tests.fixtures.llm.reference import reference_model
 from tests.models.exports import CHUNK
@@ -23,6 +25,7 @@ from tests.models.exports import CHUNK
 PROMPT_LENGTHS = [1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
 TOLERANCE = 1e-4
 TOP = 3
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3)
 
 
 def logprobs_fixture(backend: str, chunked: bool) -> str:
@@ -84,19 +87,27 @@ def test_prompt_logprobs_across_steps_equal_one_step(backend: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_top_logprobs_match_transformers(backend: str) -> None:
-    engine = neuron_model(f"llama-2x4x8-{backend}").engine  # a default artifact: decode logits, no prompt graph
+    engine = neuron_model(logprobs_fixture(backend, chunked=True)).engine
     ids, other, steps = prompt(CHUNK + 3, 11), prompt(5, 12), 6
-    want_other = alone(engine, other, steps + 1)
+    want_other = generate_tokens(engine, [other], steps + 2, SAMPLED, set())[0]  # on-device sampling: no logits
     engine.admit("lp", ids, SamplingParams(logprobs=5))
-    engine.admit("plain", other, GREEDY)
+    engine.admit("plain", other, SAMPLED)
+    graphs = dict(engine.graphs)
+    recorder = Recorder(engine)
     try:
         results = [engine.step({"lp": len(ids), "plain": len(other)})]
         results += [engine.step({"lp": 1, "plain": 1}) for _ in range(steps)]
-        tokens, plain = engine.sequence("lp").generated, engine.sequence("plain").generated
+        tokens = engine.sequence("lp").generated
+        engine.release("lp")
+        engine.step({"plain": 1})  # alone again: back to the graph sampling on device
+        plain = engine.sequence("plain").generated
     finally:
         engine.release("lp")
         engine.release("plain")
-    assert plain == want_other, "a plain sequence sampled from the logits graph's rows changed its tokens"
+        engine.graphs.update(graphs)
+    decodes = [name for name, _ in recorder.calls if name.startswith("token_generation")]
+    assert decodes == ["token_generation_logits"] * steps + ["token_generation"], "logits graph only when needed"
+    assert plain == want_other, "a seeded sequence sampled from the logits graph's rows changed its tokens"
     expected = reference_logprobs(ids + tokens)[len(ids) - 1 : -1]
     assert int(expected[0].argmax()) == tokens[0]
     for step, (result, token) in enumerate(zip(results, tokens, strict=True)):
@@ -112,7 +123,7 @@ def test_greedy_top_logprobs_match_transformers(backend: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_generate_scores_and_logits_match_transformers(backend: str) -> None:
-    model = neuron_model(f"llama-2x4x8-{backend}")
+    model = neuron_model(logprobs_fixture(backend, chunked=True))
     ids, new = torch.tensor([prompt(CHUNK + 2, 13)]), 5
     ours = model.generate(
         ids, max_new_tokens=new, eos_token_id=[], return_dict_in_generate=True, output_scores=True, output_logits=True

@@ -90,13 +90,17 @@ def test_scores_are_what_the_sampler_draws_from() -> None:
 
 def test_graph_variants_and_selection() -> None:
     default = graph_specs(NeuronConfig(prefill_chunk_size=8, sequence_length=32))
-    assert [s.name for s in default] == ["chunked_prefill", "token_generation", "token_generation_logits"]
+    assert [s.name for s in default] == ["chunked_prefill", "token_generation"], "the default artifact gained a graph"
     assert select_graph(default, GraphKind.TOKEN_GENERATION).samples_on_device  # type: ignore[union-attr]
-    assert not select_graph(default, GraphKind.TOKEN_GENERATION, logits=True).samples_on_device  # type: ignore[union-attr]
+    assert select_graph(default, GraphKind.TOKEN_GENERATION, logits=True) is None
     assert select_graph(default, GraphKind.CHUNKED_PREFILL, all_rows=True) is None
+    logits = graph_specs(NeuronConfig(prefill_chunk_size=8, sequence_length=32, decode_logits=True))
+    assert [s.name for s in logits] == ["chunked_prefill", "token_generation", "token_generation_logits"]
+    assert select_graph(logits, GraphKind.TOKEN_GENERATION).samples_on_device  # type: ignore[union-attr]
+    assert not select_graph(logits, GraphKind.TOKEN_GENERATION, logits=True).samples_on_device  # type: ignore[union-attr]
     full = graph_specs(NeuronConfig(sequence_length=32, prompt_logprobs=True))
-    assert [s.name for s in full][:2] == ["context_encoding", "context_encoding_all_rows"]
-    host = graph_specs(NeuronConfig(sequence_length=32, on_device_sampling=False))
+    assert [s.name for s in full] == ["context_encoding", "context_encoding_all_rows", "token_generation"]
+    host = graph_specs(NeuronConfig(sequence_length=32, on_device_sampling=False, decode_logits=True))
     assert [s.name for s in host] == ["context_encoding", "token_generation_logits"]
     assert select_graph(host, GraphKind.TOKEN_GENERATION) is select_graph(host, GraphKind.TOKEN_GENERATION, logits=True)
 
@@ -104,9 +108,9 @@ def test_graph_variants_and_selection() -> None:
 @pytest.mark.parametrize(
     ("params", "config", "flag"),
     [
-        (SamplingParams(prompt_logprobs=0), NeuronConfig(), "--prompt_logprobs"),
-        (SamplingParams(logprobs=2), NeuronConfig(decode_logits=False), "--no_decode_logits"),
-        (SamplingParams(return_logits=True), NeuronConfig(decode_logits=False), "--no_decode_logits"),
+        (SamplingParams(prompt_logprobs=0), NeuronConfig(decode_logits=True), "--prompt_logprobs"),
+        (SamplingParams(logprobs=2), NeuronConfig(prompt_logprobs=True), "--decode_logits"),
+        (SamplingParams(return_logits=True), NeuronConfig(), "--decode_logits"),
     ],
 )
 def test_a_request_needing_a_missing_graph_names_the_export_flag(
@@ -117,8 +121,9 @@ def test_a_request_needing_a_missing_graph_names_the_export_flag(
 
 
 def test_available_graphs_pass() -> None:
-    SamplingParams(prompt_logprobs=-1, logprobs=5).check_graphs(NeuronConfig(prompt_logprobs=True))
-    SamplingParams(logprobs=0).check_graphs(NeuronConfig(on_device_sampling=False, decode_logits=False))
+    SamplingParams(prompt_logprobs=-1, logprobs=5).check_graphs(NeuronConfig(prompt_logprobs=True, decode_logits=True))
+    SamplingParams(logprobs=0).check_graphs(NeuronConfig(on_device_sampling=False))
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1).check_graphs(NeuronConfig())
 
 
 @pytest.mark.parametrize("value", [-2, 1.5, "3"])

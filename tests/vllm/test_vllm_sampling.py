@@ -1,4 +1,5 @@
-"""vLLM's sampling through the runner, driven by hand-built scheduler steps (no vLLM engine), on eager fixtures.
+"""vLLM's sampling through the runner, driven by hand-built scheduler steps (no vLLM engine), on the eager fixture
+exported with the graphs returning logits (``-logprobs``).
 
 Requests that need more than temperature / top-k / top-p go through vLLM's own sampler (`compat.HostSampling`);
 their greedy tokens must equal vLLM's documented semantics applied to transformers' logits (penalties, logit_bias,
@@ -20,7 +21,7 @@ from optimum.neuron.artifact import Artifact
 from optimum.neuron.runtime.engine import Engine
 from optimum.neuron.vllm import compat
 from optimum.neuron.vllm.runner import Runner
-from tests.contract.engine_tools import alone, engine_for, prompt
+from tests.contract.engine_tools import alone, prompt
 from tests.fixtures.llm.models import export_fixture, tiny_model
 from tests.fixtures.llm.reference import reference_model
 from tests.vllm.steps import CHUNK, Driver, new_request
@@ -33,7 +34,7 @@ Rule = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
 
 @pytest.fixture
 def runner() -> Runner:
-    return Runner(engine_for("eager"))
+    return Runner(_logprobs_engine())
 
 
 def hf_logits(ids: list[int]) -> torch.Tensor:
@@ -184,5 +185,5 @@ def test_logprobs_and_prompt_logprobs_reach_vllm_outputs() -> None:
 
 
 def _logprobs_engine() -> Engine:
-    """A fresh engine on the eager fixture with the prefill graph returning every row's logits."""
+    """A fresh engine on the eager fixture with the graphs returning logits (``--prompt_logprobs --decode_logits``)."""
     return Engine(Artifact.open(export_fixture("llama-2x4x8-logprobs-eager")))

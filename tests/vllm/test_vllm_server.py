@@ -1,7 +1,8 @@
 """``vllm serve`` over HTTP on 127.0.0.1 with the optimum-neuronx plugin: completions, chat completions
 with the model's chat template, streaming, per-request refusals; greedy text equals the offline engine's;
-``echo`` + ``logprobs`` (prompt logprobs) equal transformers'; SmolLM2 answers a chat question readably and
-follows a JSON schema (structured output). Each test runs in a fresh interpreter."""
+``echo`` + ``logprobs`` (prompt logprobs) equal transformers'; a request needing a graph the artifact lacks gets
+HTTP 400 naming the export flag; SmolLM2 answers a chat question readably and follows a JSON schema (structured
+output). Each test runs in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def test_serve_completions_chat_and_streaming_equal_offline(tmp_path: Path) -> N
         echo = {"model": name, "prompt": PROMPT, "max_tokens": 1, "echo": True, "logprobs": 1}
         status, body = server.post_error("/v1/completions", echo)  # this artifact has no prompt-logprobs graph
         assert status == 400 and "--prompt_logprobs" in body, (status, body)
+        penalty = {"model": name, "prompt": PROMPT, "max_tokens": 4, "presence_penalty": 0.5}
+        status, body = server.post_error("/v1/completions", penalty)  # nor the token-generation graph of logits
+        assert status == 400 and "--decode_logits" in body, (status, body)
         status, body = server.post_error("/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": 40})
         assert status == 400 and "32" in body, (status, body)  # longer than the compiled sequence length
         again = server.post("/v1/completions", {"model": name, "prompt": PROMPT, **greedy})
@@ -85,11 +89,26 @@ def test_serve_echo_logprobs_equal_transformers(tmp_path: Path) -> None:
 
 @pytest.mark.xdist_group(XDIST_GROUP)
 @subprocess_test
-def test_serve_smollm2_answers_a_chat_question_and_follows_a_json_schema(tmp_path: Path) -> None:
+def test_serve_smollm2_answers_a_chat_question(tmp_path: Path) -> None:
     from tests.fixtures.llm.smollm2 import CHUNKED, smollm2_artifact
 
     artifact = smollm2_artifact(CHUNKED.format(backend="inductor"))  # the README's export
     question = [{"role": "user", "content": "What is the capital of France?"}]
+    with vllm_serve(artifact, tmp_path / "serve.log") as server:
+        name = server.get("/v1/models")["data"][0]["id"]
+        body = {"model": name, "messages": question, "max_tokens": 24, "temperature": 0.0}
+        answer = server.post("/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    assert "Paris" in answer, answer
+
+
+@pytest.mark.xdist_group(XDIST_GROUP)
+@subprocess_test
+def test_serve_smollm2_follows_a_json_schema(tmp_path: Path) -> None:
+    """Structured output: vLLM's grammar bitmask applied by its own sampler on the host (``--decode_logits``)."""
+    import jsonschema
+
+    from tests.fixtures.llm.smollm2 import HOST_SAMPLING, smollm2_artifact
+
     schema = {
         "type": "object",
         "properties": {"country": {"type": "string"}, "capital": {"type": "string"}, "population": {"type": "integer"}},
@@ -97,16 +116,10 @@ def test_serve_smollm2_answers_a_chat_question_and_follows_a_json_schema(tmp_pat
         "additionalProperties": False,
     }
     describe = [{"role": "user", "content": "Describe France as JSON: its name, capital and population."}]
-    with vllm_serve(artifact, tmp_path / "serve.log") as server:
+    response_format = {"type": "json_schema", "json_schema": {"name": "country", "schema": schema}}
+    with vllm_serve(smollm2_artifact(HOST_SAMPLING), tmp_path / "serve.log") as server:
         name = server.get("/v1/models")["data"][0]["id"]
-        body = {"model": name, "messages": question, "max_tokens": 24, "temperature": 0.0}
-        answer = server.post("/v1/chat/completions", body)["choices"][0]["message"]["content"]
-        response_format = {"type": "json_schema", "json_schema": {"name": "country", "schema": schema}}
         body = {"model": name, "messages": describe, "max_tokens": 120, "temperature": 0.0}
-        text = server.post("/v1/chat/completions", {**body, "response_format": response_format})
-    assert "Paris" in answer, answer
-    import jsonschema
-
-    choice = text["choices"][0]
+        choice = server.post("/v1/chat/completions", {**body, "response_format": response_format})["choices"][0]
     assert choice["finish_reason"] == "stop", choice  # the grammar ended the object before max_tokens
     jsonschema.validate(json.loads(choice["message"]["content"]), schema)  # parses and validates, or raises

@@ -18,13 +18,11 @@ pytestmark = pytest.mark.xla
 
 
 def drive(engine: Engine) -> None:
-    """Prefill prompts of boundary lengths, decode with every set of decoding slots (sequence 5 asks logprobs: its
-    steps run the token-generation graph returning logits), and prefill a prompt in the same step as a decode (a
-    chunk beside it, for a chunked artifact)."""
+    """Prefill prompts of boundary lengths, decode with every set of decoding slots, and prefill a prompt
+    in the same step as a decode (a chunk beside it, for a chunked artifact)."""
     sampled = SamplingParams(True, 0.7, 20, 0.9, 3)
     for index, length in enumerate((1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1, 3 * CHUNK)):
-        params = SamplingParams(True, 0.7, 20, 0.9, 3, logprobs=2) if index == 5 else sampled
-        engine.admit(index, prompt(length, index), params if index % 2 else GREEDY)
+        engine.admit(index, prompt(length, index), sampled if index % 2 else GREEDY)
         engine.step({index: length})
         if index < 4:
             engine.release(index)

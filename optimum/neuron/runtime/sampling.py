@@ -92,8 +92,8 @@ class SamplingParams:
         if self.needs_logits and not select_graph(specs, GraphKind.TOKEN_GENERATION, logits=True):
             raise InputError(
                 "logprobs, logits and host sampling (penalties, min_p, min_tokens, logit_bias, bad words, allowed "
-                "token ids, structured output) need the token-generation graph that returns logits, which this "
-                "artifact was exported without (--no_decode_logits): re-export without that flag."
+                "token ids, structured output) need a token-generation graph that returns logits, which this "
+                "artifact was exported without: re-export with --decode_logits (or --no_on_device_sampling)."
             )
 
     def scores(self, logits: torch.Tensor, max_topk: int) -> torch.Tensor:
