@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from optimum.neuron.errors import InputError
 from optimum.neuron.runtime.generate import generate_tokens, score_prompts
 from optimum.neuron.runtime.sampling import SamplingParams
 from tests.contract.engine_tools import BACKENDS, Recorder, neuron_model, prompt
@@ -118,6 +119,23 @@ def test_greedy_top_logprobs_match_transformers(backend: str) -> None:
         assert torch.allclose(got.logprobs[0, 1:], top.values, atol=TOLERANCE), f"step {step}"
         assert abs(float(got.logprobs[0, 0]) - float(expected[step, token])) <= TOLERANCE
         assert "plain" in result.logits and "plain" not in result.logprobs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_token_with_logprobs_runs_on_an_artifact_without_decode_logits(backend: str) -> None:
+    """max_tokens=1: the token and its logprobs come from the prefill logits; a decode past it is refused."""
+    engine = neuron_model(f"llama-2x4x8-{backend}").engine  # no --decode_logits
+    ids = prompt(CHUNK + 2, 14)
+    engine.admit("one", ids, SamplingParams(logprobs=2, max_tokens=1))
+    try:
+        result = engine.step({"one": len(ids)})
+        with pytest.raises(InputError, match="max_tokens=1"):
+            engine.step({"one": 1})
+    finally:
+        engine.release("one")
+    got, expected = result.logprobs["one"], reference_logprobs(ids)[-1]
+    assert int(got.token_ids[0, 0]) == result.tokens["one"] == int(expected.argmax())
+    assert torch.allclose(got.logprobs[0, 1:], expected.topk(2).values, atol=TOLERANCE)
 
 
 @pytest.mark.slow

@@ -120,6 +120,15 @@ def test_a_request_needing_a_missing_graph_names_the_export_flag(
         params.check_graphs(config)
 
 
+def test_one_token_needs_no_decode_logits() -> None:
+    """lm-evaluation-harness's loglikelihood request (echo, logprobs, max_tokens=1) samples only from the prefill."""
+    SamplingParams(logprobs=1, prompt_logprobs=1, max_tokens=1).check_graphs(NeuronConfig(prompt_logprobs=True))
+    with pytest.raises(InputError, match="--decode_logits"):
+        SamplingParams(logprobs=1, prompt_logprobs=1, max_tokens=2).check_graphs(NeuronConfig(prompt_logprobs=True))
+    with pytest.raises(InputError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
 def test_available_graphs_pass() -> None:
     SamplingParams(prompt_logprobs=-1, logprobs=5).check_graphs(NeuronConfig(prompt_logprobs=True, decode_logits=True))
     SamplingParams(logprobs=0).check_graphs(NeuronConfig(on_device_sampling=False))

@@ -180,6 +180,9 @@ class Engine:
             raise InputError(
                 f"sequence {name!r} is full ({limit} tokens): finish it, or re-export with a larger --sequence_length."
             )
+        most = sequence.sampler.params.max_tokens
+        if sequence.decoding and most is not None and len(sequence.generated) >= most:
+            raise InputError(f"sequence {name!r} already sampled its max_tokens={most} tokens: release it.")
         whole = sequence.computed == 0 and count == sequence.pending
         if self.prefill_kind is GraphKind.CONTEXT_ENCODING and not sequence.decoding and not whole:
             raise InputError(

@@ -46,6 +46,11 @@ class SamplingParams:
     cache); needs an artifact exported with ``--prompt_logprobs``."""
     return_logits: bool = False
     """Return the logits each token is sampled from (`StepResult.logits`), decodes included."""
+    max_tokens: int | None = None
+    """The most tokens the sequence samples, when the caller knows it (vLLM's ``max_tokens``; None: unknown). A
+    sequence that samples only its first token (from the prefill logits) never runs a token-generation graph, so
+    it needs no graph returning logits there: lm-evaluation-harness's loglikelihood requests (``echo``,
+    ``logprobs``, ``max_tokens=1``) need only ``--prompt_logprobs``. `Engine.step` refuses to decode past it."""
     host: Any = field(default=None, compare=False, hash=False)
     """A `HostSampler`'s own parameters (vLLM's ``SamplingParams``): when set, the `HostSampler` passed to
     `Engine.step` chooses this sequence's tokens from the full logits, every step; the fields above then
@@ -60,6 +65,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < -1):
                 raise InputError(f"{name} must be None, -1 (whole vocabulary) or a count >= 0, got {value!r}.")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise InputError(f"max_tokens must be None or a count >= 1, got {self.max_tokens!r}.")
 
     @property
     def needs_logits(self) -> bool:
@@ -89,7 +96,8 @@ class SamplingParams:
                 "prompt logprobs need the prefill graph that returns every row's logits, which this artifact was "
                 "exported without: re-export with --prompt_logprobs."
             )
-        if self.needs_logits and not select_graph(specs, GraphKind.TOKEN_GENERATION, logits=True):
+        decodes = self.max_tokens != 1  # a single token is sampled from the prefill logits
+        if self.needs_logits and decodes and not select_graph(specs, GraphKind.TOKEN_GENERATION, logits=True):
             raise InputError(
                 "logprobs, logits and host sampling (penalties, min_p, min_tokens, logit_bias, bad words, allowed "
                 "token ids, structured output) need a token-generation graph that returns logits, which this "

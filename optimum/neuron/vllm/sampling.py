@@ -60,5 +60,6 @@ def to_sampling_params(params: Any) -> SamplingParams:
         seed=params.seed,
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
+        max_tokens=params.max_tokens,
         host=params if compat.needs_vllm_sampler(params) else None,
     )
