@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from optimum.neuron.graphs import GraphKind, example_inputs, graph_args
+from optimum.neuron.runtime.sampling import SamplingParams
 from tests.contract.engine_tools import (
     BACKENDS,
     GREEDY,
