@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import itertools
 import json
 import textwrap
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
 BACKENDS = ("inductor", "eager", "xla", "neuron")
 DEVICES = ("cpu", "cuda", "neuron")
 CONFIG_FILE = "neuron_config.json"
+AUTO_FIRST_WINDOW = 256
+"""The smallest KV window of ``kv_buckets="auto"`` (unless the chunk is larger)."""
 CHOICES: dict[str, tuple[str, ...]] = {"auto_cast_type": tuple(DTYPES), "backend": BACKENDS, "device": DEVICES}
 """The allowed values of the fields that take a name (the CLI offers exactly these)."""
 FLAG_NAMES = {"tp_degree": "tensor_parallel_size"}
@@ -55,6 +58,14 @@ class NeuronConfig:
     context encoding), run only for the chunks of a prompt whose logprobs are asked: vLLM's prompt_logprobs and
     echo with logprobs, NeuronModelForCausalLM.score(). Off: such requests are refused. Costs one more compiled
     graph, and [chunk, vocab] fp32 logits crossing to the host per such chunk."""
+    kv_buckets: str = "auto"
+    """KV-length buckets: the cache windows ``[0, W)`` a token-generation or chunked-prefill call may attend over,
+    the engine running each call in the smallest window that covers what it reads, so attention costs what the
+    live context needs instead of ``sequence_length``. ``auto``: powers of two from 256 (or from
+    ``prefill_chunk_size`` when larger) below ``sequence_length``, then ``sequence_length``; ``none``: one window,
+    ``sequence_length``; or increasing sizes ``W1,W2,...`` (``sequence_length`` is always added). Backends with
+    static shapes (xla, neuron) compile one graph per window; inductor and eager compile the window as one symbolic
+    dimension, so windows cost no export time there."""
     max_topk: int = 256
     """Candidates every sampler keeps: the largest ``top_k`` a sampled request may ask for (a larger one is
     refused), and the tokens drawn from when it sets none."""
@@ -67,13 +78,29 @@ class NeuronConfig:
     """Informational metadata written to the JSON (versions, graphs); never affects compilation."""
 
     def __post_init__(self) -> None:
-        for check in (_check_shapes, _check_chunk, _check_dtype_and_backend, _check_sampling):
+        for check in (_check_shapes, _check_chunk, _check_dtype_and_backend, _check_sampling, _check_buckets):
             check(self)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype named by `auto_cast_type`."""
         return DTYPES[self.auto_cast_type]
+
+    @property
+    def kv_windows(self) -> tuple[int, ...]:
+        """The KV windows `kv_buckets` names, increasing, the last one ``sequence_length`` (the one rule that
+        resolves ``auto`` / ``none`` / a list)."""
+        seq, chunk, spec = self.sequence_length, self.prefill_chunk_size, self.kv_buckets.strip().lower()
+        if spec == "none":
+            return (seq,)
+        if spec == "auto":
+            windows, size = [], max(AUTO_FIRST_WINDOW, chunk)
+            while size < seq:
+                windows.append(size)
+                size *= 2
+            return (*windows, seq)
+        sizes = tuple(int(part) for part in spec.split(","))
+        return sizes if sizes[-1] == seq else (*sizes, seq)
 
     def derive(self, **changes: Any) -> NeuronConfig:
         """A validated copy with ``changes`` applied (`dataclasses.replace`)."""
@@ -97,6 +124,7 @@ class NeuronConfig:
         body = {
             **fields,
             "graphs": graphs,
+            "kv_windows": list(self.kv_windows),
             "versions": runtime_versions(self.backend),
             "hash": _fields_hash(fields),
         }
@@ -212,6 +240,28 @@ def _check_sampling(config: NeuronConfig) -> None:
     for name in ("on_device_sampling", "decode_logits", "prompt_logprobs"):
         if not isinstance(getattr(config, name), bool):
             raise IncompatibleConfigError(f"{name} must be a bool, got {getattr(config, name)!r}.")
+
+
+def _check_buckets(config: NeuronConfig) -> None:
+    """`kv_buckets` must be ``auto``, ``none`` or increasing window sizes in ``[max(C, 2), sequence_length]``."""
+    spec = config.kv_buckets
+    fix = f"pass {flag('kv_buckets')} auto, none, or increasing sizes such as 256,512 (sequence_length is added)."
+    if not isinstance(spec, str):
+        raise IncompatibleConfigError(f"kv_buckets must be a string, got {spec!r}: {fix}")
+    if spec.strip().lower() in ("auto", "none"):
+        return
+    try:
+        sizes = [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise IncompatibleConfigError(f"kv_buckets={spec!r} is not auto, none or a list of integers: {fix}") from None
+    smallest = max(config.prefill_chunk_size, 2)
+    if any(b <= a for a, b in itertools.pairwise(sizes)):
+        raise IncompatibleConfigError(f"kv_buckets={spec!r} must be strictly increasing: {fix}")
+    if sizes[0] < smallest or sizes[-1] > config.sequence_length:
+        raise IncompatibleConfigError(
+            f"kv_buckets={spec!r}: every window must lie between {smallest} (the prefill chunk, at least 2) and "
+            f"sequence_length={config.sequence_length}: {fix}"
+        )
 
 
 def load_config_file(text: str) -> NeuronConfig:

@@ -45,46 +45,84 @@ class GraphSpec:
     """Columns of ``input_ids``: chunk or sequence length for prefill, 1 for token generation."""
     samples_on_device: bool
     """True when the graph returns sampled token ids instead of logits."""
-    reads_prior_cache: bool
-    """True when queries may attend to cache positions written by earlier calls."""
     all_rows: bool = False
     """Prefill graphs: True when the graph returns the logits of every column ``[tokens, V]`` (the runtime keeps
     the real rows, told by the actual-tokens mask) instead of the last real token's ``[1, V]``: prompt logprobs."""
+    windows: tuple[int, ...] = ()
+    """The KV windows the graph can attend over (cache positions ``[0, W)`` written by earlier calls, passed as
+    ``key_positions = arange(W)``): one for a graph compiled per window, every window of the artifact for a graph
+    whose window is a symbolic dimension, none for a graph that reads no earlier cache (context encoding)."""
+    sequence_length: int = 0
+    """The artifact's ``sequence_length``: the window that needs no suffix in the name."""
 
     @property
     def name(self) -> str:
         """The graph's name in its artifact (file name, manifest key, engine table, logs): the kind, then what a
-        variant returns (``_all_rows``: every row's logits; ``_logits``: token generation returning logits)."""
+        variant returns (``_all_rows``: every row's logits; ``_logits``: token generation returning logits), then
+        ``_w<W>`` for a graph compiled for one window ``W`` smaller than the sequence length."""
+        name = self.kind.value
         if self.all_rows:
-            return f"{self.kind.value}_all_rows"
-        if self.kind is GraphKind.TOKEN_GENERATION and not self.samples_on_device:
-            return f"{self.kind.value}_logits"
-        return self.kind.value
+            name += "_all_rows"
+        elif self.kind is GraphKind.TOKEN_GENERATION and not self.samples_on_device:
+            name += "_logits"
+        if len(self.windows) == 1 and self.windows[0] != self.sequence_length:
+            name += f"_w{self.windows[0]}"
+        return name
+
+    @property
+    def symbolic_window(self) -> bool:
+        """True when one compiled graph serves several windows (the window is a symbolic dimension)."""
+        return len(self.windows) > 1
+
+
+SYMBOLIC_WINDOW_BACKENDS = ("eager", "inductor")
+"""Backends that compile the KV window as a symbolic dimension (one graph serves every window); the others
+(xla, neuron: static shapes) compile one graph per window."""
 
 
 def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
     """Every graph of an artifact built from ``config``, prefill first: the prefill graph (and its all-rows
     variant with ``prompt_logprobs``), the token-generation graph (and, when it samples on device, its
-    logits-returning variant with ``decode_logits``)."""
+    logits-returning variant with ``decode_logits``); each once per KV window on a static-shape backend (the
+    logits variants, run only for requests that ask for logits, in the full window only)."""
     prefill = graph_spec(config, prefill_kind(config))
     token_generation = graph_spec(config, GraphKind.TOKEN_GENERATION)
-    specs = [prefill]
+    specs = [*_per_window(prefill, config)]
     if config.prompt_logprobs:
-        specs.append(dataclasses.replace(prefill, all_rows=True))
-    specs.append(token_generation)
+        specs.extend(_per_window(dataclasses.replace(prefill, all_rows=True), config, full_only=True))
+    specs.extend(_per_window(token_generation, config))
     if token_generation.samples_on_device and config.decode_logits:
-        specs.append(dataclasses.replace(token_generation, samples_on_device=False))
+        logits = dataclasses.replace(token_generation, samples_on_device=False)
+        specs.extend(_per_window(logits, config, full_only=True))
     return tuple(specs)
 
 
+def _per_window(spec: GraphSpec, config: NeuronConfig, full_only: bool = False) -> list[GraphSpec]:
+    """``spec`` as compiled: one graph for all windows (symbolic-window backends, or a graph reading no earlier
+    cache), else one graph per window (only the full one with ``full_only``)."""
+    if not spec.windows or config.backend in SYMBOLIC_WINDOW_BACKENDS:
+        return [spec]
+    windows = spec.windows[-1:] if full_only else spec.windows
+    return [dataclasses.replace(spec, windows=(w,)) for w in windows]
+
+
 def select_graph(
-    specs: Iterable[GraphSpec], kind: GraphKind, *, logits: bool = False, all_rows: bool = False
-) -> GraphSpec | None:
-    """The graph of ``kind`` among ``specs`` that serves a call, None when there is none: with ``all_rows`` the
-    prefill graph returning every row's logits; with ``logits`` a token-generation graph returning logits;
-    otherwise the default graph (for token generation, the one sampling on device when there is one)."""
+    specs: Iterable[GraphSpec], kind: GraphKind, *, logits: bool = False, all_rows: bool = False, reach: int = 0
+) -> tuple[GraphSpec, int] | None:
+    """The graph of ``kind`` among ``specs`` that serves a call reading cache positions ``[0, reach)``, and the
+    window to run it in (the smallest that covers ``reach``; 0 for a graph reading no earlier cache); None when
+    there is none. With ``all_rows`` the prefill graph returning every row's logits; with ``logits`` a
+    token-generation graph returning logits; otherwise the default graph (for token generation, the one sampling on
+    device when there is one)."""
     found = [s for s in specs if s.kind is kind and s.all_rows == all_rows and not (logits and s.samples_on_device)]
-    return max(found, key=lambda s: s.samples_on_device, default=None)
+    if not found:
+        return None
+    best = max(s.samples_on_device for s in found)
+    options = [(w, s) for s in found if s.samples_on_device == best for w in s.windows or (0,) if w >= reach]
+    if not options:
+        return None
+    window, spec = min(options, key=lambda option: option[0])
+    return spec, window
 
 
 def graph_kinds(config: NeuronConfig) -> tuple[GraphKind, ...]:
@@ -99,24 +137,42 @@ def prefill_kind(config: NeuronConfig) -> GraphKind:
 
 
 def graph_spec(config: NeuronConfig, kind: GraphKind) -> GraphSpec:
-    """The static signature of graph ``kind`` under ``config``."""
+    """The signature of graph ``kind`` under ``config``, serving every KV window of the artifact."""
+    seq, windows = config.sequence_length, config.kv_windows
     if kind is GraphKind.TOKEN_GENERATION:
-        return GraphSpec(kind, config.batch_size, 1, config.on_device_sampling, True)
+        return GraphSpec(kind, config.batch_size, 1, config.on_device_sampling, False, windows, seq)
     if kind is GraphKind.CHUNKED_PREFILL:
-        return GraphSpec(kind, 1, config.prefill_chunk_size, False, True)
-    return GraphSpec(kind, 1, config.sequence_length, False, False)
+        return GraphSpec(kind, 1, config.prefill_chunk_size, False, False, windows, seq)
+    return GraphSpec(kind, 1, seq, False, False, (), seq)
 
 
 def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
-    """Per-call inputs of graph ``spec`` (the KV cache is passed separately), valid for tracing."""
+    """Per-call inputs of graph ``spec`` (the KV cache is passed separately), valid for tracing; a graph that
+    reads the cache gets the key positions of its largest window."""
     ids = torch.zeros(spec.batch, spec.tokens, dtype=torch.long)
     positions = torch.arange(spec.tokens, dtype=torch.long).expand(spec.batch, -1).contiguous()
     inputs = {"input_ids": ids, "position_ids": positions}
     if spec.kind.is_prefill:
         inputs["seq_ids"] = torch.zeros(1, dtype=torch.long)
+    if spec.windows:
+        inputs["key_positions"] = key_positions(max(spec.windows))
     if spec.samples_on_device:
         inputs.update(sampling_inputs(spec.batch))
     return inputs
+
+
+def key_positions(window: int) -> torch.Tensor:
+    """The ``key_positions`` input of a call in KV window ``window``: cache positions ``0 .. window - 1``."""
+    return torch.arange(window, dtype=torch.long)
+
+
+def window_dims(spec: GraphSpec) -> dict[str, object] | None:
+    """`torch.export` dynamic shapes of graph ``spec``'s per-call inputs by name: the window (the length of
+    ``key_positions``) is symbolic when the graph serves several; None when every shape is static."""
+    if not spec.symbolic_window:
+        return None
+    window = torch.export.Dim("kv_window", min=min(spec.windows), max=max(spec.windows))
+    return {"key_positions": {0: window}}
 
 
 def sampling_inputs(batch: int) -> dict[str, torch.Tensor]:
@@ -131,7 +187,8 @@ def sampling_inputs(batch: int) -> dict[str, torch.Tensor]:
 
 def graph_args(kind: GraphKind, inputs: dict[str, torch.Tensor], kv_cache: list[torch.Tensor]) -> tuple:
     """The positional arguments of graph ``kind``, in the order its module's forward takes them."""
+    window = (inputs["key_positions"],) if "key_positions" in inputs else ()
     if kind.is_prefill:
-        return (inputs["input_ids"], inputs["position_ids"], inputs["seq_ids"], kv_cache)
+        return (inputs["input_ids"], inputs["position_ids"], inputs["seq_ids"], kv_cache, *window)
     sampling = tuple(inputs[k] for k in ("temperature", "top_k", "top_p", "uniforms") if k in inputs)
-    return (inputs["input_ids"], inputs["position_ids"], kv_cache, *sampling)
+    return (inputs["input_ids"], inputs["position_ids"], kv_cache, *window, *sampling)

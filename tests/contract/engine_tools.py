@@ -63,6 +63,13 @@ def flat_tensors(args: tuple) -> list[torch.Tensor]:
     return out
 
 
+def call_window(args: tuple) -> int:
+    """The KV window of a graph call: the length of its ``key_positions``, the argument after the KV cache list
+    (`graphs.graph_args`); 0 when the graph takes none."""
+    index = next(i for i, arg in enumerate(args) if isinstance(arg, list))
+    return int(args[index + 1].shape[0]) if index + 1 < len(args) else 0
+
+
 class Recorder:
     """Wraps an engine's graphs to record what each call receives."""
 
@@ -78,9 +85,18 @@ class Recorder:
 
         return call
 
+    @staticmethod
+    def signature(args: tuple) -> Signature:
+        """The (shape, dtype) signature of one call's arguments."""
+        return tuple((tuple(t.shape), t.dtype) for t in flat_tensors(args))
+
     def signatures(self, name: str) -> set[Signature]:
         """The distinct (shape, dtype) signatures the graph called ``name`` was called with."""
-        return {tuple((tuple(t.shape), t.dtype) for t in flat_tensors(a)) for n, a in self.calls if n == name}
+        return {self.signature(a) for n, a in self.calls if n == name}
+
+    def windows(self) -> list[tuple[str, int]]:
+        """``(graph name, KV window)`` of each call, in order (window 0: the graph reads no earlier cache)."""
+        return [(name, call_window(args)) for name, args in self.calls]
 
     def caches(self) -> list[list[torch.Tensor]]:
         """The KV cache list each call received."""

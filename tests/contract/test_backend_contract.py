@@ -34,13 +34,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from optimum.neuron.graphs import GraphKind, example_inputs, graph_args
+from optimum.neuron.graphs import GraphKind, example_inputs, graph_args, key_positions
 from optimum.neuron.runtime.sampling import SamplingParams
 from tests.contract.engine_tools import (
     BACKENDS,
     GREEDY,
     Recorder,
     alone,
+    call_window,
     decode,
     engine_for,
     fixture_name,
@@ -59,7 +60,7 @@ from tests.fixtures.artifacts import artifact_copy, edit_json, expect_artifact_e
 from tests.fixtures.llm import smollm2 as smol
 from tests.fixtures.llm.models import FAMILIES, export_fixture, tiny_model
 from tests.fixtures.llm.reference import hf_greedy, hf_sampled, reference_model
-from tests.models.exports import CHUNK, SEQUENCE_LENGTH
+from tests.models.exports import CHUNK, SEQUENCE_LENGTH, WINDOWS
 
 LENGTHS = [1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 2 * CHUNK + 1, 3 * CHUNK, 3 * CHUNK + 2, 4 * CHUNK]
 NEW_TOKENS = 6
@@ -103,13 +104,44 @@ def test_graphs_are_called_with_their_static_shapes_only(backend: str) -> None:
             engine.release(index)
     for work in ({3: 1}, {4: 1}, {3: 1, 4: 1}):  # one token-generation call each
         engine.step(work)
-    assert [s.kind for s in engine.specs.values()] == [GraphKind.CHUNKED_PREFILL, GraphKind.TOKEN_GENERATION]
-    for name, spec in engine.specs.items():
-        example = graph_args(spec.kind, example_inputs(spec), engine.kv_cache)
-        expected = {tuple((tuple(t.shape), t.dtype) for t in flat_tensors(example))}
-        assert recorder.signatures(name) == expected, f"{name} was called with other shapes than its spec"
-    assert len(recorder.calls) == 8 + 3, "unexpected number of graph calls"
+    assert {s.kind for s in engine.specs.values()} == {GraphKind.CHUNKED_PREFILL, GraphKind.TOKEN_GENERATION}
+    for name, args in recorder.calls:
+        spec, window = engine.specs[name], call_window(args)
+        assert window in spec.windows, f"{name} was called in window {window}, not one of {spec.windows}"
+        inputs = {**example_inputs(spec), "key_positions": key_positions(window)}
+        expected = tuple(
+            (tuple(t.shape), t.dtype) for t in flat_tensors(graph_args(spec.kind, inputs, engine.kv_cache))
+        )
+        assert recorder.signature(args) == expected, f"{name} was called with other shapes than its spec"
+    small, full = WINDOWS
+    kinds = [(engine.specs[name].kind, window) for name, window in recorder.windows()]
+    # every chunk starts at or below position 16 (reads [0, 16)); decodes at positions 9, 17, and {10, 18}
+    prefill, decodes = [(GraphKind.CHUNKED_PREFILL, small)] * 8, [small, full, full]
+    assert kinds == prefill + [(GraphKind.TOKEN_GENERATION, w) for w in decodes], "not the smallest covering window"
     assert compiles(backend) - before <= len(engine.graphs), "a graph was compiled more than once"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_in_a_small_window_leaves_a_longer_prefill_intact(backend: str) -> None:
+    """Invariant 9 with KV windows: "a" decodes in the smallest window while "b", mid-prefill, holds rows beyond it;
+    the token-generation row of b's slot writes to its scratch row, so b's rows stay bitwise intact."""
+    engine = engine_for(backend)
+    short, long, new, early = prompt(4, 3), prompt(3 * CHUNK + 3, 4), 5, 3
+    expected = {"a": alone(engine, short, new + early), "b": alone(engine, long, new)}
+    a = engine.admit("a", short, GREEDY)
+    engine.step({"a": len(short)})
+    b = engine.admit("b", long, GREEDY)
+    engine.step({"b": 3 * CHUNK})
+    assert b.computed > WINDOWS[0] > a.computed + early
+    prefilled = slot_rows(engine, b.slot, b.computed)  # type: ignore[arg-type]
+    recorder = Recorder(engine)
+    decode(engine, ["a"], early)
+    assert [w for _, w in recorder.windows()] == [WINDOWS[0]] * early, "a's decodes did not run in the small window"
+    assert same(slot_rows(engine, b.slot, b.computed), prefilled), "a decode in a small window overwrote b's rows"  # type: ignore[arg-type]
+    engine.step({"b": b.pending})
+    decode(engine, ["a", "b"], new - 1)
+    assert a.generated == expected["a"], "a generated other tokens than alone"
+    assert b.generated == expected["b"], "b generated other tokens than alone"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -93,6 +93,7 @@ BAD_INPUTS = [
     ("python -m", ["--backend", "xla", "--device", "neuron"], ["torch-neuronx", "no Neuron device", "not verified"]),
     ("optimum-cli", ["--backend", "xla", "--device", "cuda"], ["--device cpu", "--backend inductor --device cuda"]),
     ("python -m", ["--backend", "xla"], ["torch-xla is not installed", "make install-xla"]),
+    ("optimum-cli", ["--kv_buckets", "16,8"], ["kv_buckets='16,8'", "strictly increasing", "--kv_buckets auto"]),
 ]
 
 

@@ -13,6 +13,8 @@ from tests.fixtures.llm.models import ExportFixture, export_fixture, tiny_model
 CHUNK = 8
 """Chunk size of the chunked fixtures (sequence length 4 * CHUNK)."""
 SEQUENCE_LENGTH = 4 * CHUNK
+WINDOWS = (16, SEQUENCE_LENGTH)
+"""The KV windows of every tiny fixture (`tests.fixtures.llm.models.FIXTURE_KV_BUCKETS`)."""
 
 
 def fixture_of(family: str, backend: str, chunked: bool = True) -> ExportFixture:

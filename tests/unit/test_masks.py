@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from optimum.neuron.graphs import key_positions as keys
 from optimum.neuron.models.layers.masks import (
     actual_tokens_mask,
     chunk_mask,
@@ -45,7 +46,7 @@ def reference_chunk_mask(positions: list[int], cache_len: int) -> torch.Tensor:
 @pytest.mark.parametrize(("count", "start"), [(1, 0), (3, 0), (3, 5), (C, 8), (C - 1, 9)])
 def test_chunk_mask_matches_rule(count: int, start: int) -> None:
     _, positions = pad_chunk(list(range(count)), start, C)
-    mask = chunk_mask(positions, S, reads_prior=True)
+    mask = chunk_mask(positions, keys(S))
     assert mask.shape == (1, 1, C, S + C) and mask.dtype == torch.bool
     assert torch.equal(mask, reference_chunk_mask(positions[0].tolist(), S))
 
@@ -53,7 +54,7 @@ def test_chunk_mask_matches_rule(count: int, start: int) -> None:
 @pytest.mark.parametrize("count", [1, 3, C - 1])
 def test_padded_queries_see_exactly_the_last_real_tokens_keys(count: int) -> None:
     _, positions = pad_chunk(list(range(count)), 4, C)
-    mask = chunk_mask(positions, S, reads_prior=True)[0, 0]
+    mask = chunk_mask(positions, keys(S))[0, 0]
     for row in range(count, C):
         assert torch.equal(mask[row], mask[count - 1])
     assert not mask[:, S + count :].any(), "a padded key was visible"
@@ -70,20 +71,20 @@ def test_no_query_ever_reads_the_scratch_row() -> None:
     cache_len = S + 1  # S positions + the scratch row
     for count, start in ((1, 0), (C, 8), (3, S - 3)):
         _, positions = pad_chunk(list(range(count)), start, C)
-        assert not chunk_mask(positions, cache_len, reads_prior=True)[0, 0, :, S].any()
+        assert not chunk_mask(positions, keys(cache_len))[0, 0, :, S].any()
     live = torch.arange(S)[:, None]  # every position a live token can decode at
-    assert not decode_mask(live, cache_len)[:, 0, 0, S].any()
+    assert not decode_mask(live, keys(cache_len))[:, 0, 0, S].any()
 
 
 def test_chunk_mask_without_prior_cache() -> None:
     _, positions = pad_chunk([1, 2, 3], 0, C)
-    mask = chunk_mask(positions, S, reads_prior=False)
+    mask = chunk_mask(positions, None)
     assert mask.shape == (1, 1, C, C)
     assert torch.equal(mask, reference_chunk_mask(positions[0].tolist(), 0))
 
 
 def test_decode_mask_reads_up_to_own_position() -> None:
-    mask = decode_mask(torch.tensor([[0], [3], [S - 1]]), S)
+    mask = decode_mask(torch.tensor([[0], [3], [S - 1]]), keys(S))
     assert mask.shape == (3, 1, 1, S)
     assert mask[0, 0, 0].tolist() == [True] + [False] * (S - 1)
     assert mask[1, 0, 0].tolist() == [True] * 4 + [False] * (S - 4)
@@ -105,7 +106,7 @@ def attention_weights(scores_scale: float, mask: torch.Tensor, dtype: torch.dtyp
 @pytest.mark.parametrize("scale", [1.0, 100.0])
 def test_masked_softmax_is_finite_with_zero_weight_on_masked_keys(dtype: torch.dtype, scale: float) -> None:
     _, positions = pad_chunk([5, 6, 7], 2, C)
-    mask = chunk_mask(positions, S, reads_prior=True)
+    mask = chunk_mask(positions, keys(S))
     weights = attention_weights(scale, mask, dtype)
     assert torch.isfinite(weights).all()
     assert (weights[~mask.expand_as(weights)] == 0).all()
@@ -114,7 +115,7 @@ def test_masked_softmax_is_finite_with_zero_weight_on_masked_keys(dtype: torch.d
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_softmax_is_finite_at_position_zero(dtype: torch.dtype) -> None:
-    mask = decode_mask(torch.tensor([[0]]), S)[0:1]
+    mask = decode_mask(torch.tensor([[0]]), keys(S))[0:1]
     weights = attention_weights(100.0, mask, dtype)
     assert torch.isfinite(weights).all()
     assert weights[0, 0, 0, 0].item() == pytest.approx(1.0, abs=1e-2)
@@ -142,10 +143,10 @@ def reference_window_mask(positions: list[int], cache_len: int, window: int) -> 
 @pytest.mark.parametrize(("count", "start"), WINDOW_CHUNKS)
 def test_chunk_window_mask_matches_rule(count: int, start: int, window: int) -> None:
     _, positions = pad_chunk(list(range(count)), start, C)
-    mask = chunk_window_mask(positions, S + 1, True, window)
+    mask = chunk_window_mask(positions, keys(S + 1), window)
     assert mask.shape == (1, 1, C, S + 1 + C) and mask.dtype == torch.bool
     assert torch.equal(mask, reference_window_mask(positions[0].tolist(), S + 1, window))
-    inside = chunk_window_mask(positions, S + 1, False, window)
+    inside = chunk_window_mask(positions, None, window)
     assert torch.equal(inside, reference_window_mask(positions[0].tolist(), 0, window))
 
 
@@ -153,7 +154,7 @@ def test_chunk_window_mask_matches_rule(count: int, start: int, window: int) -> 
 def test_chunk_straddling_the_window_edge_drops_exactly_the_old_keys(window: int) -> None:
     start = 7  # the chunk covers positions 7..14: the window's lower edge moves through the cache and the chunk
     _, positions = pad_chunk(list(range(C)), start, C)
-    mask = chunk_window_mask(positions, S + 1, True, window)[0, 0]
+    mask = chunk_window_mask(positions, keys(S + 1), window)[0, 0]
     for i, p in enumerate(range(start, start + C)):
         cache_keys = [k for k in range(S + 1) if mask[i, k]]
         chunk_keys = [start + j for j in range(C) if mask[i, S + 1 + j]]
@@ -164,7 +165,7 @@ def test_chunk_straddling_the_window_edge_drops_exactly_the_old_keys(window: int
 @pytest.mark.parametrize("count", [1, 3, C - 1])
 def test_padded_queries_see_the_last_real_tokens_window(count: int, window: int) -> None:
     _, positions = pad_chunk(list(range(count)), 5, C)
-    mask = chunk_window_mask(positions, S + 1, True, window)[0, 0]
+    mask = chunk_window_mask(positions, keys(S + 1), window)[0, 0]
     for row in range(count, C):
         assert torch.equal(mask[row], mask[count - 1])
     assert not mask[:, S].any(), "the scratch row was visible"
@@ -174,12 +175,12 @@ def test_padded_queries_see_the_last_real_tokens_window(count: int, window: int)
 @pytest.mark.parametrize("window", WINDOWS)
 def test_decode_window_mask_reads_the_last_window_positions(window: int) -> None:
     live = torch.arange(S)[:, None]
-    mask = decode_window_mask(live, S + 1, window)
+    mask = decode_window_mask(live, keys(S + 1), window)
     assert mask.shape == (S, 1, 1, S + 1)
     for p in range(S):
         assert mask[p, 0, 0].nonzero()[:, 0].tolist() == list(range(max(0, p - window + 1), p + 1))
     # an idle row sits at the scratch position: its output is discarded, it only needs a non-empty softmax row
-    idle = decode_window_mask(torch.tensor([[S]]), S + 1, window)[0, 0, 0]
+    idle = decode_window_mask(torch.tensor([[S]]), keys(S + 1), window)[0, 0, 0]
     assert idle.nonzero()[:, 0].tolist() == list(range(max(0, S - window + 1), S + 1))
 
 
@@ -187,5 +188,5 @@ def test_window_never_empties_a_row() -> None:
     """The key at a query's own position is always inside its window: no all-masked softmax row."""
     for count, start in WINDOW_CHUNKS:
         _, positions = pad_chunk(list(range(count)), start, C)
-        assert chunk_window_mask(positions, S + 1, True, 1)[0, 0].any(dim=-1).all()
-    assert decode_window_mask(torch.arange(S + 1)[:, None], S + 1, 1).any(dim=-1).all()
+        assert chunk_window_mask(positions, keys(S + 1), 1)[0, 0].any(dim=-1).all()
+    assert decode_window_mask(torch.arange(S + 1)[:, None], keys(S + 1), 1).any(dim=-1).all()

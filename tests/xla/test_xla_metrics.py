@@ -18,10 +18,11 @@ pytestmark = pytest.mark.xla
 
 
 def drive(engine: Engine) -> None:
-    """Prefill prompts of boundary lengths, decode with every set of decoding slots, and prefill a prompt
-    in the same step as a decode (a chunk beside it, for a chunked artifact)."""
+    """Prefill prompts of boundary lengths, decode with every set of decoding slots, prefill a prompt in the same
+    step as a decode (a chunk beside it, for a chunked artifact), and run every graph in each of its KV windows
+    (a chunk starting past the small window, decodes inside and past it)."""
     sampled = SamplingParams(True, 0.7, 20, 0.9, 3)
-    for index, length in enumerate((1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1, 3 * CHUNK)):
+    for index, length in enumerate((1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1, 3 * CHUNK + 1)):
         engine.admit(index, prompt(length, index), sampled if index % 2 else GREEDY)
         engine.step({index: length})
         if index < 4:
@@ -33,6 +34,10 @@ def drive(engine: Engine) -> None:
     engine.step({5: 1, 6: CHUNK if engine.config.prefill_chunk_size else 2 * CHUNK + 3})
     engine.release(5)
     engine.release(6)
+    engine.admit(7, prompt(3, 7), GREEDY)
+    engine.step({7: 3})
+    engine.step({7: 1})  # a decode in the smallest window
+    engine.release(7)
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from ...neuron.artifact import (
 from ...neuron.backends import get_backend
 from ...neuron.config import CONFIG_FILE, NeuronConfig
 from ...neuron.errors import UnsupportedModelError, WeightLoadingError
-from ...neuron.graphs import GraphSpec, example_inputs, graph_args, graph_specs
+from ...neuron.graphs import GraphSpec, example_inputs, graph_args, graph_specs, window_dims
 from ...neuron.models.base import StaticDecoder, graph_module
 from ...neuron.models.registry import served_config, supported_model_types
 from ...neuron.progress import StepProgress
@@ -132,7 +132,7 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, device: str | torch
             with bar.step(f"trace + compile {spec.name} {_shape(spec)}"):
                 inputs = {k: v.to(device) for k, v in example_inputs(spec).items()}
                 args = graph_args(spec.kind, inputs, kv_cache)
-                backend.compile(graph_module(decoder, spec).eval(), args, out / files[spec.name])
+                backend.compile(graph_module(decoder, spec).eval(), args, out / files[spec.name], window_dims(spec))
         with bar.step("write artifact"):
             save_file({k: v.cpu() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
             write_manifest(out, files, weights)
@@ -167,7 +167,8 @@ def load_decoder(
 
 
 def _shape(spec: GraphSpec) -> str:
-    return f"[{spec.batch}, {spec.tokens}]"
+    windows = ", ".join(map(str, spec.windows))
+    return f"[{spec.batch}, {spec.tokens}]" + (f" KV windows {windows}" if spec.windows else "")
 
 
 def _copy_hf_files(model_dir: Path, out: Path, hf_config: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,8 +38,10 @@ class Backend(ABC):
         return device
 
     @abstractmethod
-    def compile(self, module: nn.Module, args: tuple, path: Path) -> None:
-        """Trace/compile ``module`` for the example ``args`` and write the graph to ``path``."""
+    def compile(self, module: nn.Module, args: tuple, path: Path, dynamic: dict[str, Any] | None = None) -> None:
+        """Trace/compile ``module`` for the example ``args`` and write the graph to ``path``. ``dynamic`` names the
+        forward arguments with a symbolic dimension (`graphs.window_dims`: the KV window); only backends in
+        `graphs.SYMBOLIC_WINDOW_BACKENDS` receive one."""
 
     @abstractmethod
     def load(self, path: Path, weights: dict[str, torch.Tensor], factory: GraphFactory) -> LoadedGraph:

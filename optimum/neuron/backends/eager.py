@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,9 +19,9 @@ class EagerBackend(Backend):
     name = "eager"
     suffix = ".json"
 
-    def compile(self, module: nn.Module, args: tuple, path: Path) -> None:
+    def compile(self, module: nn.Module, args: tuple, path: Path, dynamic: dict[str, Any] | None = None) -> None:
         with torch.inference_mode():
-            module(*args)  # one run proves the module traces with these shapes
+            module(*args)  # one run proves the module runs with these shapes (any window: plain PyTorch)
         path.write_text(json.dumps({"backend": self.name, "module": type(module).__name__}))
 
     def load(self, path: Path, weights: dict[str, torch.Tensor], factory: GraphFactory) -> LoadedGraph:

@@ -9,8 +9,10 @@ returns a callable.
 
 from __future__ import annotations
 
+import inspect
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,9 +36,10 @@ class InductorBackend(Backend):
     name = "inductor"
     suffix = ".pt2"
 
-    def compile(self, module: nn.Module, args: tuple, path: Path) -> None:
+    def compile(self, module: nn.Module, args: tuple, path: Path, dynamic: dict[str, Any] | None = None) -> None:
         with torch.no_grad():
-            program = torch.export.export(module, args, strict=False)
+            shapes = _dynamic_shapes(module, args, dynamic) if dynamic else None
+            program = torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
             torch._inductor.aoti_compile_and_package(
                 program, package_path=str(path), inductor_configs=dict(_INDUCTOR_OPTIONS)
             )
@@ -67,6 +70,16 @@ class _BoundGraph:
     def __call__(self, *args: object) -> torch.Tensor:
         with torch.inference_mode():
             return self._package(*args)  # type: ignore[operator]
+
+
+def _dynamic_shapes(module: nn.Module, args: tuple, dynamic: dict[str, Any]) -> dict[str, Any]:
+    """`torch.export`'s ``dynamic_shapes`` for the forward arguments ``args`` of ``module``: ``dynamic``'s
+    entries, every other argument static (a list, the KV cache, as one static entry per tensor)."""
+    names = inspect.signature(module.forward).parameters
+    return {
+        name: dynamic.get(name, [None] * len(arg) if isinstance(arg, list) else None)
+        for name, arg in zip(names, args, strict=False)
+    }
 
 
 def _check_archive(path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,7 +41,7 @@ class NeuronBackend(Backend):
     def placement(self, device: str) -> str | torch.device:
         raise self._unavailable()
 
-    def compile(self, module: nn.Module, args: tuple, path: Path) -> None:
+    def compile(self, module: nn.Module, args: tuple, path: Path, dynamic: dict[str, Any] | None = None) -> None:
         raise self._unavailable()
 
     def load(self, path: Path, weights: dict[str, torch.Tensor], factory: GraphFactory) -> LoadedGraph:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -40,7 +41,8 @@ class XlaBackend(Backend):
     def placement(self, device: str) -> str | torch.device:
         return xla_compat.device(device)
 
-    def compile(self, module: nn.Module, args: tuple, path: Path) -> None:
+    def compile(self, module: nn.Module, args: tuple, path: Path, dynamic: dict[str, Any] | None = None) -> None:
+        assert dynamic is None, "xla graphs have static shapes: one graph per KV window (graphs.graph_specs)"
         inputs, cache = split_args(args)
         private = [torch.zeros(t.shape, dtype=t.dtype).to(t.device) for t in cache]  # built on host: device data
         xla_compat.sync()

@@ -140,17 +140,19 @@ class StaticDecoder(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         kv_cache: list[torch.Tensor],
+        key_positions: torch.Tensor | None,
         seq_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run graph ``spec.kind``: prefill kinds return last-real-token logits ``[1, V]`` (every column's ``[T, V]``
-        for an ``all_rows`` graph); token generation returns logits ``[B, V]`` (sampling is applied by
+        """Run graph ``spec.kind`` reading the cache through the KV window ``key_positions [W]`` (``None``: the
+        graph reads no earlier cache): prefill kinds return last-real-token logits ``[1, V]`` (every column's
+        ``[T, V]`` for an ``all_rows`` graph); token generation returns logits ``[B, V]`` (sampling is applied by
         `TokenGenerationGraph`)."""
-        cache_len = kv_cache[0].shape[2]
         if spec.kind is GraphKind.TOKEN_GENERATION:
-            ctx: AttentionContext = DecodeContext.build(position_ids, cache_len, self.windows)
+            assert key_positions is not None, "token generation reads the cache"
+            ctx: AttentionContext = DecodeContext.build(position_ids, key_positions, self.windows)
             return self._logits(self._hidden(input_ids, position_ids, kv_cache, ctx)[:, -1])
         assert seq_ids is not None, "prefill graphs take the slot id"
-        ctx = ChunkContext.build(seq_ids, position_ids, cache_len, spec.reads_prior_cache, self.windows)
+        ctx = ChunkContext.build(seq_ids, position_ids, kv_cache[0].shape[2], key_positions, self.windows)
         h = self._hidden(input_ids, position_ids, kv_cache, ctx)
         if spec.all_rows:  # prompt logprobs: every column; the runtime keeps the real ones (actual-tokens mask)
             return self._logits(h[0])
@@ -182,8 +184,9 @@ class PrefillGraph(_Graph):
         position_ids: torch.Tensor,
         seq_ids: torch.Tensor,
         kv_cache: list[torch.Tensor],
+        key_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.decoder(self.spec, input_ids, position_ids, kv_cache, seq_ids)
+        return self.decoder(self.spec, input_ids, position_ids, kv_cache, key_positions, seq_ids)
 
 
 class TokenGenerationGraph(_Graph):
@@ -194,12 +197,13 @@ class TokenGenerationGraph(_Graph):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         kv_cache: list[torch.Tensor],
+        key_positions: torch.Tensor,
         temperature: torch.Tensor | None = None,
         top_k: torch.Tensor | None = None,
         top_p: torch.Tensor | None = None,
         uniforms: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        logits = self.decoder(self.spec, input_ids, position_ids, kv_cache)
+        logits = self.decoder(self.spec, input_ids, position_ids, kv_cache, key_positions)
         if not self.spec.samples_on_device:
             return logits
         assert temperature is not None and top_k is not None and top_p is not None and uniforms is not None

@@ -26,7 +26,7 @@ import torch
 from ..artifact import Artifact, allocate_cache, assemble
 from ..backends import get_backend
 from ..errors import InputError
-from ..graphs import GraphKind, GraphSpec, graph_args, graph_specs, prefill_kind, select_graph
+from ..graphs import GraphKind, GraphSpec, graph_args, graph_specs, key_positions, prefill_kind, select_graph
 from ..models.base import StaticDecoder, graph_module
 from ..models.layers.masks import actual_tokens_mask
 from .logprobs import PromptScorer, token_logprobs
@@ -35,6 +35,8 @@ from .sampling import HostSampler, SamplingParams, SequenceSampler, sample_on_ho
 from .sequence import SeqId, Sequence, StepResult
 from .slots import SlotTable
 
+GraphCall = tuple[GraphSpec, int]
+"""A graph and the KV window a call runs it in (`graphs.select_graph`)."""
 HostRows = dict[int, tuple[Sequence, torch.Tensor]]
 """Slot -> (sequence, logits row) of the tokens a `HostSampler` picks at the end of a step."""
 
@@ -66,13 +68,14 @@ class Engine:
             self._decoder = assemble(self.hf_config, self.config, self.weights)
         return graph_module(self._decoder, spec).eval()
 
-    def _graph(self, kind: GraphKind, *, logits: bool = False, all_rows: bool = False) -> GraphSpec:
-        """The graph of ``kind`` that runs this call (`graphs.select_graph`): ``logits`` for a token-generation
-        graph returning logits, ``all_rows`` for a prefill graph returning every row's logits (`admit` refused
-        the sequences that need a graph the artifact lacks)."""
-        spec = select_graph(self.specs.values(), kind, logits=logits, all_rows=all_rows)
-        assert spec is not None, f"the artifact has no {kind.value} graph with logits={logits} all_rows={all_rows}"
-        return spec
+    def _graph(self, kind: GraphKind, reach: int, *, logits: bool = False, all_rows: bool = False) -> GraphCall:
+        """The graph of ``kind`` that runs a call reading cache positions ``[0, reach)``, and its KV window
+        (`graphs.select_graph`): ``logits`` for a token-generation graph returning logits, ``all_rows`` for a
+        prefill graph returning every row's logits (`admit` refused the sequences that need a graph the artifact
+        lacks; the full window covers every position)."""
+        found = select_graph(self.specs.values(), kind, logits=logits, all_rows=all_rows, reach=reach)
+        assert found is not None, f"the artifact has no {kind.value} graph with logits={logits} all_rows={all_rows}"
+        return found
 
     @property
     def prefill_kind(self) -> GraphKind:
@@ -200,11 +203,13 @@ class Engine:
         ids, positions = decode_rows(self.config.batch_size, active, self.config.sequence_length)
         ours = {slot for slot, s in by_slot.items() if s.sampler.params.host is None}
         rows = [by_slot[slot].sampler if slot in ours else None for slot in range(self.config.batch_size)]
-        spec = self._graph(GraphKind.TOKEN_GENERATION, logits=any(s.sampler.params.needs_logits for s in decodes))
+        reach = max(s.computed for s in decodes) + 1  # each row reads up to its own new position
+        logits_graph = any(s.sampler.params.needs_logits for s in decodes)
+        spec, window = self._graph(GraphKind.TOKEN_GENERATION, reach, logits=logits_graph)
         inputs = {"input_ids": ids, "position_ids": positions}
         if spec.samples_on_device:
             inputs.update(sampling_tensors(rows, self.config.max_topk))
-        out = self._call(spec, inputs)
+        out = self._call(spec, window, inputs)
         logits = None if spec.samples_on_device else out.float().cpu()
         tokens = out.cpu() if logits is None else sample_on_host(logits, rows, self.config.max_topk)
         for slot, sequence in by_slot.items():
@@ -245,7 +250,8 @@ class Engine:
         with ``all_rows`` those of every real row ``[n, V]`` (the actual-tokens mask drops the padded ones)."""
         ids, positions = pad_chunk(token_ids, start, self.chunk_size)
         inputs = {"input_ids": ids, "position_ids": positions, "seq_ids": torch.tensor([slot])}
-        out = self._call(self._graph(self.prefill_kind, all_rows=all_rows), inputs).float().cpu()
+        spec, window = self._graph(self.prefill_kind, start, all_rows=all_rows)  # it reads positions [0, start)
+        out = self._call(spec, window, inputs).float().cpu()
         return out[actual_tokens_mask(positions)[0]] if all_rows else out
 
     def _sample_on_host(self, sampler: HostSampler, host: HostRows, result: StepResult) -> None:
@@ -258,7 +264,10 @@ class Engine:
         for slot, (sequence, row) in host.items():
             self._append(sequence, int(tokens[slot]), result, row, scored[slot])
 
-    def _call(self, spec: GraphSpec, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _call(self, spec: GraphSpec, window: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Run graph ``spec`` in KV window ``window`` (0: the graph reads no earlier cache)."""
+        if window:
+            inputs = {**inputs, "key_positions": key_positions(window)}
         placed = {k: v.to(self.device) for k, v in inputs.items()}
         return self.graphs[spec.name](*graph_args(spec.kind, placed, self.kv_cache))
 

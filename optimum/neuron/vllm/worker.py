@@ -42,7 +42,7 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         c = artifact.config
         logger.info(
             "optimum-neuronx serving %s: backend=%s device=%s graphs=%s batch_size=%d sequence_length=%d "
-            "prefill_chunk_size=%d on_device_sampling=%s",
+            "prefill_chunk_size=%d kv_windows=%s on_device_sampling=%s",
             artifact.root,
             c.backend,
             c.device,
@@ -50,6 +50,7 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
             c.batch_size,
             c.sequence_length,
             c.prefill_chunk_size,
+            list(c.kv_windows),
             c.on_device_sampling,
         )
 

@@ -7,6 +7,9 @@ each layer's `Attention` asks its context to attend and to write the new K/V int
 A context holds one mask per attention window its decoder uses: the full-attention mask and one per
 sliding window (`masks.chunk_window_mask`, `masks.decode_window_mask`). Each layer passes its own window
 (``None``: full attention) and gets exactly that mask (`mask_for`); the cache and its writes are the same.
+
+Reads go through the call's **KV window** ``[0, W)`` (``W = len(key_positions)``): a slice of the one cache,
+never a copy of it; writes go to any position of the cache (live positions below ``W``, the scratch row beyond).
 """
 
 from __future__ import annotations
@@ -39,13 +42,14 @@ class DecodeContext:
     without a decoding sequence comes at the scratch position: `runtime.padding.decode_rows`)."""
 
     positions: torch.Tensor  # [B, 1]
-    mask: torch.Tensor  # [B, 1, 1, S + 1]
+    keys: torch.Tensor  # [W]: the cache positions of the KV window
+    mask: torch.Tensor  # [B, 1, 1, W]
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask
 
     @classmethod
-    def build(cls, position_ids: torch.Tensor, cache_len: int, windows: Iterable[int] = ()) -> DecodeContext:
-        windowed = {w: decode_window_mask(position_ids, cache_len, w) for w in windows}
-        return cls(position_ids, decode_mask(position_ids, cache_len), windowed)
+    def build(cls, position_ids: torch.Tensor, keys: torch.Tensor, windows: Iterable[int] = ()) -> DecodeContext:
+        windowed = {w: decode_window_mask(position_ids, keys, w) for w in windows}
+        return cls(position_ids, keys, decode_mask(position_ids, keys), windowed)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The mask of a layer with sliding window ``window`` (``None``: full attention)."""
@@ -60,12 +64,14 @@ class DecodeContext:
         window: int | None = None,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V, then attend over each slot's whole cache (or its ``window`` last positions)."""
+        """Write this step's K/V, then attend over each slot's KV window (within ``window`` positions of its own
+        for a sliding-window layer)."""
         rows = torch.arange(q.shape[0], device=q.device)
         write_rows(caches[0], rows, self.positions, k)
         write_rows(caches[1], rows, self.positions, v)
-        mask = self.mask_for(window)
-        return F.scaled_dot_product_attention(q, caches[0], caches[1], attn_mask=mask, scale=scale, enable_gqa=True)
+        mask, size = self.mask_for(window), self.keys.shape[0]
+        keys, values = caches[0][:, :, :size], caches[1][:, :, :size]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 @dataclass
@@ -75,8 +81,8 @@ class ChunkContext:
 
     seq_ids: torch.Tensor  # [1]
     positions: torch.Tensor  # [1, C]: where each column writes
-    mask: torch.Tensor  # [1, 1, C, S + 1 + C] or [1, 1, C, C]
-    reads_prior: bool
+    keys: torch.Tensor | None  # [W]: the cache positions of the KV window; None: no earlier cache is read
+    mask: torch.Tensor  # [1, 1, C, W + C] or [1, 1, C, C]
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask
 
     @classmethod
@@ -85,12 +91,12 @@ class ChunkContext:
         seq_ids: torch.Tensor,
         position_ids: torch.Tensor,
         cache_len: int,
-        reads_prior: bool,
+        keys: torch.Tensor | None,
         windows: Iterable[int] = (),
     ) -> ChunkContext:
         writes = chunk_write_positions(position_ids, scratch_position(cache_len))
-        windowed = {w: chunk_window_mask(position_ids, cache_len, reads_prior, w) for w in windows}
-        return cls(seq_ids, writes, chunk_mask(position_ids, cache_len, reads_prior), reads_prior, windowed)
+        windowed = {w: chunk_window_mask(position_ids, keys, w) for w in windows}
+        return cls(seq_ids, writes, keys, chunk_mask(position_ids, keys), windowed)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The mask of a layer with sliding window ``window`` (``None``: full attention)."""
@@ -105,12 +111,13 @@ class ChunkContext:
         window: int | None = None,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """Attend over the slot's earlier cache and the chunk's own K/V (within ``window`` positions of each
-        query for a sliding-window layer), then store the chunk's K/V."""
+        """Attend over the slot's KV window and the chunk's own K/V (within ``window`` positions of each query for
+        a sliding-window layer), then store the chunk's K/V."""
         keys, values = k, v
-        if self.reads_prior:
-            keys = torch.cat((read_slot(caches[0], self.seq_ids), k), dim=2)
-            values = torch.cat((read_slot(caches[1], self.seq_ids), v), dim=2)
+        if self.keys is not None:
+            size = self.keys.shape[0]
+            keys = torch.cat((read_slot(caches[0], self.seq_ids, size), k), dim=2)
+            values = torch.cat((read_slot(caches[1], self.seq_ids, size), v), dim=2)
         mask = self.mask_for(window)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         write_rows(caches[0], self.seq_ids, self.positions, k)

@@ -48,6 +48,7 @@ def write_rows(cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
     torch.ops.aten.index_put_(cache, [row_index, None, positions.reshape(-1)], values)
 
 
-def read_slot(cache: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-    """The whole cache of the slots ``seq_ids [N]`` -> ``[N, H, S, D]``."""
-    return cache.index_select(0, seq_ids)
+def read_slot(cache: torch.Tensor, seq_ids: torch.Tensor, window: int) -> torch.Tensor:
+    """Positions ``[0, window)`` of the slots ``seq_ids [N]`` -> ``[N, H, window, D]`` (a KV window: only those
+    rows are gathered)."""
+    return cache[:, :, :window].index_select(0, seq_ids)

@@ -7,6 +7,10 @@ Masked positions are excluded by the attention kernel; no dtype minimum is ever 
 Sliding-window layers (mistral, qwen2 ``max_window_layers``, Gemma 3 local layers, ...) use the same masks
 restricted by `within_window`: a query at position ``p`` sees keys in ``(p - window, p]``. A padded query
 repeats the last real token's position, so it still sees exactly that token's keys.
+
+A graph reads the cache through a **KV window** (a KV-length bucket): positions ``[0, W)`` of each slot, given
+as ``keys = arange(W)`` (`graphs.key_positions`); the engine picks a ``W`` that covers every position the call
+reads, so the masks below never need a key beyond it.
 """
 
 from __future__ import annotations
@@ -27,29 +31,28 @@ def chunk_write_positions(position_ids: torch.Tensor, scratch: int) -> torch.Ten
     return torch.where(actual_tokens_mask(position_ids), position_ids, torch.full_like(position_ids, scratch))
 
 
-def chunk_mask(position_ids: torch.Tensor, cache_len: int, reads_prior: bool) -> torch.Tensor:
-    """Mask of a prefill chunk ``position_ids [1, C]`` over keys ``[cache (cache_len) | chunk (C)]``.
+def chunk_mask(position_ids: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
+    """Mask of a prefill chunk ``position_ids [1, C]`` over keys ``[cache window | chunk (C)]``, the window's cache
+    positions being ``keys [W]`` (``None``: the graph reads no earlier cache).
 
-    A query attends to cache positions before the chunk's first position (never the scratch row), and
-    to chunk keys that are causal and real. A padded query (duplicate of the last real token) therefore
-    sees exactly the keys the real last token sees. Without ``reads_prior`` only the chunk part is
-    returned. Result: ``[1, 1, C, cache_len + C]`` (or ``[1, 1, C, C]``).
+    A query attends to cache positions before the chunk's first position (never the scratch row, which lies
+    beyond every window), and to chunk keys that are causal and real. A padded query (duplicate of the last real
+    token) therefore sees exactly the keys the real last token sees. Result: ``[1, 1, C, W + C]`` (or
+    ``[1, 1, C, C]`` without ``keys``).
     """
     tokens = position_ids.shape[1]
     index = torch.arange(tokens, device=position_ids.device)
     causal = index[None, :] <= index[:, None]
     inside = causal & actual_tokens_mask(position_ids)[0][None, :]
-    if not reads_prior:
+    if keys is None:
         return inside[None, None]
-    keys = torch.arange(cache_len, device=position_ids.device)
-    prior = (keys < position_ids[0, 0])[None, :].expand(tokens, cache_len)
+    prior = (keys < position_ids[0, 0])[None, :].expand(tokens, keys.shape[0])
     return torch.cat((prior, inside), dim=1)[None, None]
 
 
-def decode_mask(position_ids: torch.Tensor, cache_len: int) -> torch.Tensor:
-    """Mask of one new token per slot, ``position_ids [B, 1]``: cache keys up to its own position (a live
-    token's position is below the scratch row). Result: ``[B, 1, 1, cache_len]``."""
-    keys = torch.arange(cache_len, device=position_ids.device)
+def decode_mask(position_ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Mask of one new token per slot, ``position_ids [B, 1]``, over the cache positions ``keys [W]`` of the
+    window: keys up to its own position. Result: ``[B, 1, 1, W]``."""
     return (keys[None, :] <= position_ids)[:, None, None, :]
 
 
@@ -60,17 +63,14 @@ def within_window(query_positions: torch.Tensor, key_positions: torch.Tensor, wi
     return (key_positions[None, None, :] > query_positions[:, :, None] - window)[:, None]
 
 
-def chunk_window_mask(position_ids: torch.Tensor, cache_len: int, reads_prior: bool, window: int) -> torch.Tensor:
-    """`chunk_mask` of a sliding-window layer: keys ``[cache (cache_len) | chunk (C)]`` are also limited to
+def chunk_window_mask(position_ids: torch.Tensor, keys: torch.Tensor | None, window: int) -> torch.Tensor:
+    """`chunk_mask` of a sliding-window layer: keys ``[cache window (keys) | chunk (C)]`` are also limited to
     the ``window`` positions ending at each query's own. Same shape as `chunk_mask`."""
-    keys = position_ids[0]
-    if reads_prior:
-        keys = torch.cat((torch.arange(cache_len, device=position_ids.device), keys))
-    return chunk_mask(position_ids, cache_len, reads_prior) & within_window(position_ids, keys, window)
+    all_keys = position_ids[0] if keys is None else torch.cat((keys, position_ids[0]))
+    return chunk_mask(position_ids, keys) & within_window(position_ids, all_keys, window)
 
 
-def decode_window_mask(position_ids: torch.Tensor, cache_len: int, window: int) -> torch.Tensor:
+def decode_window_mask(position_ids: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
     """`decode_mask` of a sliding-window layer: cache keys in ``(position - window, position]``.
-    Result: ``[B, 1, 1, cache_len]``."""
-    keys = torch.arange(cache_len, device=position_ids.device)
-    return decode_mask(position_ids, cache_len) & within_window(position_ids, keys, window)
+    Result: ``[B, 1, 1, W]``."""
+    return decode_mask(position_ids, keys) & within_window(position_ids, keys, window)
