@@ -26,11 +26,14 @@ class GraphKind(str, enum.Enum):
     """``[1, prefill_chunk_size]`` tokens of one sequence at any offset; returns last-token logits."""
     TOKEN_GENERATION = "token_generation"
     """``[batch_size, 1]``: one token per KV slot; returns sampled tokens or logits."""
+    VISION_ENCODER = "vision_encoder"
+    """Image-text artifacts: ``[image_tiles, 3, image_size, image_size]`` pixels -> the image rows the prefill graphs
+    splice in, ``[image_tiles * rows_per_tile, hidden]``. Never touches the KV cache."""
 
     @property
     def is_prefill(self) -> bool:
         """True for the graphs that feed one sequence's prompt tokens."""
-        return self is not GraphKind.TOKEN_GENERATION
+        return self in (GraphKind.CONTEXT_ENCODING, GraphKind.CHUNKED_PREFILL)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,11 @@ class GraphSpec:
     all_rows: bool = False
     """Prefill graphs: True when the graph returns the logits of every column ``[tokens, V]`` (the runtime keeps
     the real rows, told by the actual-tokens mask) instead of the last real token's ``[1, V]``: prompt logprobs."""
+    images: bool = False
+    """Prefill graphs of an image-text artifact: they also take ``image_embeds [1, tokens, hidden]`` and
+    ``image_mask [1, tokens]`` and splice those rows over the token embeddings (`models.layers.splice`)."""
+    image_size: int = 0
+    """The vision encoder: pixels per side of a tile (``batch`` is the tiles per call)."""
 
     @property
     def name(self) -> str:
@@ -66,7 +74,7 @@ def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
     """Every graph of an artifact built from ``config``, prefill first: the prefill graph (and its all-rows
     variant with ``prompt_logprobs``), the token-generation graph (and, when it samples on device, its
     logits-returning variant with ``decode_logits``)."""
-    prefill = graph_spec(config, prefill_kind(config))
+    prefill = dataclasses.replace(graph_spec(config, prefill_kind(config)), images=config.image_tiles > 0)
     token_generation = graph_spec(config, GraphKind.TOKEN_GENERATION)
     specs = [prefill]
     if config.prompt_logprobs:
@@ -74,6 +82,10 @@ def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
     specs.append(token_generation)
     if token_generation.samples_on_device and config.decode_logits:
         specs.append(dataclasses.replace(token_generation, samples_on_device=False))
+    if config.image_tiles:
+        specs.append(
+            GraphSpec(GraphKind.VISION_ENCODER, config.image_tiles, 0, False, False, image_size=config.image_size)
+        )
     return tuple(specs)
 
 
@@ -108,7 +120,10 @@ def graph_spec(config: NeuronConfig, kind: GraphKind) -> GraphSpec:
 
 
 def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
-    """Per-call inputs of graph ``spec`` (the KV cache is passed separately), valid for tracing."""
+    """Per-call inputs of graph ``spec`` (the KV cache is passed separately), valid for tracing; the image rows of an
+    image-text prefill graph come from `image_row_inputs`."""
+    if spec.kind is GraphKind.VISION_ENCODER:
+        return {"pixel_values": torch.zeros(spec.batch, 3, spec.image_size, spec.image_size)}
     ids = torch.zeros(spec.batch, spec.tokens, dtype=torch.long)
     positions = torch.arange(spec.tokens, dtype=torch.long).expand(spec.batch, -1).contiguous()
     inputs = {"input_ids": ids, "position_ids": positions}
@@ -117,6 +132,15 @@ def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
     if spec.samples_on_device:
         inputs.update(sampling_inputs(spec.batch))
     return inputs
+
+
+def image_row_inputs(spec: GraphSpec, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The image inputs of an image-text prefill graph ``spec`` carrying no image row: ``image_embeds [1, T, hidden]``
+    (``dtype``) and ``image_mask [1, T]`` (True where a column takes its image row instead of its token's embedding)."""
+    return {
+        "image_embeds": torch.zeros(1, spec.tokens, hidden, dtype=dtype),
+        "image_mask": torch.zeros(1, spec.tokens, dtype=torch.bool),
+    }
 
 
 def sampling_inputs(batch: int) -> dict[str, torch.Tensor]:
@@ -131,7 +155,10 @@ def sampling_inputs(batch: int) -> dict[str, torch.Tensor]:
 
 def graph_args(kind: GraphKind, inputs: dict[str, torch.Tensor], kv_cache: list[torch.Tensor]) -> tuple:
     """The positional arguments of graph ``kind``, in the order its module's forward takes them."""
+    if kind is GraphKind.VISION_ENCODER:
+        return (inputs["pixel_values"],)
     if kind.is_prefill:
-        return (inputs["input_ids"], inputs["position_ids"], inputs["seq_ids"], kv_cache)
+        images = tuple(inputs[k] for k in ("image_embeds", "image_mask") if k in inputs)
+        return (inputs["input_ids"], inputs["position_ids"], inputs["seq_ids"], kv_cache, *images)
     sampling = tuple(inputs[k] for k in ("temperature", "top_k", "top_p", "uniforms") if k in inputs)
     return (inputs["input_ids"], inputs["position_ids"], kv_cache, *sampling)

@@ -24,6 +24,10 @@ from .layers.attention import (
 from .layers.mlp import FusedGatedMLP, GatedMLP
 from .layers.rope import Rotary, RotaryPerType
 from .layers.sampling import sample_tokens
+from .layers.splice import splice_image_rows
+
+ImageRows = tuple[torch.Tensor, torch.Tensor]
+"""An image-text prefill chunk's ``image_embeds [1, T, H]`` and ``image_mask [1, T]`` (`layers.splice`)."""
 
 
 def attention_dims(hf_config: Any) -> AttentionDims:
@@ -126,8 +130,17 @@ class StaticDecoder(nn.Module):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.to(torch.float32)
 
-    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: list[torch.Tensor], ctx):
+    def _hidden(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        kv_cache: list[torch.Tensor],
+        ctx,
+        image_rows: ImageRows | None = None,
+    ):
         h = self.model.embed_tokens(input_ids)
+        if image_rows is not None:
+            h = splice_image_rows(h, *image_rows)
         rope = self.model.rotary_emb(position_ids, h.dtype)  # one (cos, sin), or one per layer type
         for i, layer in enumerate(self.model.layers):
             layer_rope = rope[layer.layer_type] if isinstance(rope, dict) else rope
@@ -141,17 +154,18 @@ class StaticDecoder(nn.Module):
         position_ids: torch.Tensor,
         kv_cache: list[torch.Tensor],
         seq_ids: torch.Tensor | None = None,
+        image_rows: ImageRows | None = None,
     ) -> torch.Tensor:
         """Run graph ``spec.kind``: prefill kinds return last-real-token logits ``[1, V]`` (every column's ``[T, V]``
-        for an ``all_rows`` graph); token generation returns logits ``[B, V]`` (sampling is applied by
-        `TokenGenerationGraph`)."""
+        for an ``all_rows`` graph), splicing ``image_rows`` in when given; token generation returns logits ``[B, V]``
+        (sampling is applied by `TokenGenerationGraph`)."""
         cache_len = kv_cache[0].shape[2]
         if spec.kind is GraphKind.TOKEN_GENERATION:
             ctx: AttentionContext = DecodeContext.build(position_ids, cache_len, self.windows)
             return self._logits(self._hidden(input_ids, position_ids, kv_cache, ctx)[:, -1])
         assert seq_ids is not None, "prefill graphs take the slot id"
         ctx = ChunkContext.build(seq_ids, position_ids, cache_len, spec.reads_prior_cache, self.windows)
-        h = self._hidden(input_ids, position_ids, kv_cache, ctx)
+        h = self._hidden(input_ids, position_ids, kv_cache, ctx, image_rows)
         if spec.all_rows:  # prompt logprobs: every column; the runtime keeps the real ones (actual-tokens mask)
             return self._logits(h[0])
         last = torch.argmax(position_ids[0]).reshape(1)  # invariant 5: max position = last real token
@@ -174,7 +188,8 @@ class _Graph(nn.Module):
 
 
 class PrefillGraph(_Graph):
-    """Exportable signature of the context-encoding and chunked-prefill graphs."""
+    """Exportable signature of the context-encoding and chunked-prefill graphs (an image-text artifact's also take
+    the chunk's image rows, `GraphSpec.images`)."""
 
     def forward(
         self,
@@ -182,8 +197,11 @@ class PrefillGraph(_Graph):
         position_ids: torch.Tensor,
         seq_ids: torch.Tensor,
         kv_cache: list[torch.Tensor],
+        image_embeds: torch.Tensor | None = None,
+        image_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.decoder(self.spec, input_ids, position_ids, kv_cache, seq_ids)
+        images = (image_embeds, image_mask) if image_embeds is not None and image_mask is not None else None
+        return self.decoder(self.spec, input_ids, position_ids, kv_cache, seq_ids, images)
 
 
 class TokenGenerationGraph(_Graph):
@@ -208,6 +226,10 @@ class TokenGenerationGraph(_Graph):
 
 def graph_module(decoder: StaticDecoder, spec: GraphSpec) -> nn.Module:
     """The module to trace or run for graph ``spec.kind``."""
+    if spec.kind is GraphKind.VISION_ENCODER:
+        from .vision import VisionEncoderGraph
+
+        return VisionEncoderGraph(decoder)
     if spec.kind is GraphKind.TOKEN_GENERATION:
         return TokenGenerationGraph(decoder, spec)
     return PrefillGraph(decoder, spec)
