@@ -4,6 +4,7 @@ once per image; aborting mid-prefill frees the slot and the cached rows; the typ
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from typing import Any
 
@@ -184,3 +185,26 @@ def _image_spans(prompt: list[int]) -> list[tuple[int, int]]:
         later = [p for p in positions if p > last]
         first = later[0] if later else -1
     return spans
+
+
+def test_optimum_cli_exports_an_image_text_model(tmp_path) -> None:
+    """``optimum-cli export neuron --model <idefics3 folder>`` (eager) reads the tiles from the processor and writes an
+    artifact that keeps the whole config and the processor files; a text-only model refuses the image flags."""
+    from tests.fixtures.cli import run_cli
+    from tests.fixtures.llm.models import tiny_model
+
+    out = tmp_path / "vlm"
+    flags = ["--batch_size", "1", "--sequence_length", "128", "--prefill_chunk_size", "24", "--backend", "eager"]
+    done = run_cli("optimum-cli", "--model", str(tiny_idefics3()), *flags, str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    saved = json.loads((out / "neuron_config.json").read_text())
+    assert (saved["image_tiles"], saved["image_size"], saved["max_images"]) == (5, 64, 6)
+    assert saved["graphs"] == ["chunked_prefill", "token_generation", "vision_encoder"]
+    assert json.loads((out / "config.json").read_text())["model_type"] == "idefics3"
+    assert (out / "processor_config.json").is_file()
+    batch = inputs(["hello the <image> what is this"], [[0]])
+    assert our_tokens(NeuronModelForImageTextToText.from_pretrained(out), batch) == transformers_tokens(batch)
+    refused = run_cli(
+        "optimum-cli", "--model", str(tiny_model("llama")), *flags, "--max_images", "2", str(tmp_path / "t")
+    )
+    assert refused.returncode == 2 and "apply to image-text models only" in refused.stdout + refused.stderr
