@@ -75,9 +75,7 @@ class Step:
 def read_step(scheduler_output: Any) -> Step:
     """`Step` from a vLLM ``SchedulerOutput``."""
     new = [
-        NewRequest(
-            r.req_id, list(r.prompt_token_ids or []), r.sampling_params, r.num_computed_tokens, read_images(r)
-        )
+        NewRequest(r.req_id, list(r.prompt_token_ids or []), r.sampling_params, r.num_computed_tokens, read_images(r))
         for r in scheduler_output.scheduled_new_reqs
     ]
     c = scheduler_output.scheduled_cached_reqs
