@@ -12,8 +12,13 @@ from .version import __version__
 if TYPE_CHECKING:
     from .config import NeuronConfig
     from .modeling import NeuronModelForCausalLM
+    from .modeling_image_text import NeuronModelForImageTextToText
 
-_LAZY = {"NeuronConfig": "config", "NeuronModelForCausalLM": "modeling"}
+_LAZY = {
+    "NeuronConfig": "config",
+    "NeuronModelForCausalLM": "modeling",
+    "NeuronModelForImageTextToText": "modeling_image_text",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -24,4 +29,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-__all__ = ["NeuronConfig", "NeuronModelForCausalLM", "__version__"]
+__all__ = ["NeuronConfig", "NeuronModelForCausalLM", "NeuronModelForImageTextToText", "__version__"]

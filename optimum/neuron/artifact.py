@@ -30,7 +30,7 @@ from .errors import ArtifactError
 from .graphs import graph_specs
 from .models.base import StaticDecoder, attention_dims
 from .models.layers.kv_cache import allocate_kv_cache
-from .models.registry import build_decoder
+from .models.registry import build_decoder, language_config
 from .weights import bind_weights
 
 WEIGHTS_FILE = "model.safetensors"
@@ -180,7 +180,9 @@ def assemble(hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tens
 
 
 def allocate_cache(hf_config: Any, config: NeuronConfig, device: str | torch.device) -> list[torch.Tensor]:
-    """The one KV cache of an artifact: K and V per layer, ``[batch_size, kv_heads, sequence_length, head_dim]``."""
+    """The one KV cache of an artifact: K and V per layer, ``[batch_size, kv_heads, sequence_length, head_dim]`` (of
+    the language decoder, for an image-text model)."""
+    hf_config = language_config(hf_config)
     dims = attention_dims(hf_config)
     return allocate_kv_cache(
         hf_config.num_hidden_layers,

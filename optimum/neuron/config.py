@@ -69,6 +69,17 @@ class NeuronConfig:
     max_topk: int = 256
     """Candidates every sampler keeps: the largest ``top_k`` a sampled request may ask for (a larger one is
     refused), and the tokens drawn from when it sets none."""
+    image_tiles: int = 0
+    """Image-text models: tiles per call of the vision-encoder graph (its compile-time batch). 0 for a text-only
+    model; an image-text model's export sets it to the most tiles its processor makes of one image (every image is
+    then encoded in one call), unless given."""
+    image_size: int = 0
+    """Image-text models: pixels per side of one tile, the vision-encoder graph's static tile shape. Set by the export
+    from the model's processor (``max_image_size``); 0 for a text-only model."""
+    max_images: int = 0
+    """Image-text models: the most images one prompt may hold (a prompt with more is refused, naming this limit). 0
+    for a text-only model; an image-text model's export defaults it to as many of the largest images as fit in
+    sequence_length (at least 1)."""
     backend: str = "inductor"
     """Compile backend: ``inductor`` (AOTInductor packages), ``eager`` (reference), ``xla``, ``neuron``."""
     device: str = "cpu"
@@ -78,7 +89,14 @@ class NeuronConfig:
     """Informational metadata written to the JSON (versions, graphs); never affects compilation."""
 
     def __post_init__(self) -> None:
-        for check in (_check_shapes, _check_chunk, _check_dtype_and_backend, _check_sampling, _check_buckets):
+        for check in (
+            _check_shapes,
+            _check_chunk,
+            _check_dtype_and_backend,
+            _check_sampling,
+            _check_buckets,
+            _check_images,
+        ):
             check(self)
 
     @property
@@ -262,6 +280,15 @@ def _check_buckets(config: NeuronConfig) -> None:
             f"kv_buckets={spec!r}: every window must lie between {smallest} (the prefill chunk, at least 2) and "
             f"sequence_length={config.sequence_length}: {fix}"
         )
+
+
+def _check_images(config: NeuronConfig) -> None:
+    for name in ("image_tiles", "image_size", "max_images"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise IncompatibleConfigError(
+                f"{name} must be a non-negative integer, got {value!r}: pass {flag(name)} N >= 0 (0: from the model)."
+            )
 
 
 def load_config_file(text: str) -> NeuronConfig:

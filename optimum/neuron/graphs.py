@@ -26,11 +26,14 @@ class GraphKind(str, enum.Enum):
     """``[1, prefill_chunk_size]`` tokens of one sequence at any offset; returns last-token logits."""
     TOKEN_GENERATION = "token_generation"
     """``[batch_size, 1]``: one token per KV slot; returns sampled tokens or logits."""
+    VISION_ENCODER = "vision_encoder"
+    """Image-text artifacts: ``[image_tiles, 3, image_size, image_size]`` pixels -> the image rows the prefill graphs
+    splice in, ``[image_tiles * rows_per_tile, hidden]``. Never touches the KV cache."""
 
     @property
     def is_prefill(self) -> bool:
         """True for the graphs that feed one sequence's prompt tokens."""
-        return self is not GraphKind.TOKEN_GENERATION
+        return self in (GraphKind.CONTEXT_ENCODING, GraphKind.CHUNKED_PREFILL)
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,11 @@ class GraphSpec:
     whose window is a symbolic dimension, none for a graph that reads no earlier cache (context encoding)."""
     sequence_length: int = 0
     """The artifact's ``sequence_length``: the window that needs no suffix in the name."""
+    images: bool = False
+    """Prefill graphs of an image-text artifact: they also take ``image_embeds [1, tokens, hidden]`` and
+    ``image_mask [1, tokens]`` and splice those rows over the token embeddings (`models.layers.splice`)."""
+    image_size: int = 0
+    """The vision encoder: pixels per side of a tile (``batch`` is the tiles per call)."""
 
     @property
     def name(self) -> str:
@@ -85,7 +93,7 @@ def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
     variant with ``prompt_logprobs``), the token-generation graph (and, when it samples on device, its
     logits-returning variant with ``decode_logits``); each once per KV window on a static-shape backend (the
     logits variants, run only for requests that ask for logits, in the full window only)."""
-    prefill = graph_spec(config, prefill_kind(config))
+    prefill = dataclasses.replace(graph_spec(config, prefill_kind(config)), images=config.image_tiles > 0)
     token_generation = graph_spec(config, GraphKind.TOKEN_GENERATION)
     specs = [*_per_window(prefill, config)]
     if config.prompt_logprobs:
@@ -94,6 +102,8 @@ def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
     if token_generation.samples_on_device and config.decode_logits:
         logits = dataclasses.replace(token_generation, samples_on_device=False)
         specs.extend(_per_window(logits, config, full_only=True))
+    if config.image_tiles:
+        specs.append(GraphSpec(GraphKind.VISION_ENCODER, config.image_tiles, 0, False, image_size=config.image_size))
     return tuple(specs)
 
 
@@ -148,7 +158,10 @@ def graph_spec(config: NeuronConfig, kind: GraphKind) -> GraphSpec:
 
 def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
     """Per-call inputs of graph ``spec`` (the KV cache is passed separately), valid for tracing; a graph that
-    reads the cache gets the key positions of its largest window."""
+    reads the cache gets the key positions of its largest window; the image rows of an image-text prefill graph
+    come from `image_row_inputs`."""
+    if spec.kind is GraphKind.VISION_ENCODER:
+        return {"pixel_values": torch.zeros(spec.batch, 3, spec.image_size, spec.image_size)}
     ids = torch.zeros(spec.batch, spec.tokens, dtype=torch.long)
     positions = torch.arange(spec.tokens, dtype=torch.long).expand(spec.batch, -1).contiguous()
     inputs = {"input_ids": ids, "position_ids": positions}
@@ -175,6 +188,15 @@ def window_dims(spec: GraphSpec) -> dict[str, object] | None:
     return {"key_positions": {0: window}}
 
 
+def image_row_inputs(spec: GraphSpec, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The image inputs of an image-text prefill graph ``spec`` carrying no image row: ``image_embeds [1, T, hidden]``
+    (``dtype``) and ``image_mask [1, T]`` (True where a column takes its image row instead of its token's embedding)."""
+    return {
+        "image_embeds": torch.zeros(1, spec.tokens, hidden, dtype=dtype),
+        "image_mask": torch.zeros(1, spec.tokens, dtype=torch.bool),
+    }
+
+
 def sampling_inputs(batch: int) -> dict[str, torch.Tensor]:
     """Greedy sampling parameters for ``batch`` rows, in the order the TG graph takes them."""
     return {
@@ -188,7 +210,10 @@ def sampling_inputs(batch: int) -> dict[str, torch.Tensor]:
 def graph_args(kind: GraphKind, inputs: dict[str, torch.Tensor], kv_cache: list[torch.Tensor]) -> tuple:
     """The positional arguments of graph ``kind``, in the order its module's forward takes them."""
     window = (inputs["key_positions"],) if "key_positions" in inputs else ()
-    if kind.is_prefill:
-        return (inputs["input_ids"], inputs["position_ids"], inputs["seq_ids"], kv_cache, *window)
+    if kind is GraphKind.VISION_ENCODER:
+        return (inputs["pixel_values"],)
+    if kind.is_prefill:  # an image-text prefill graph takes its image rows before the cache (`ImagePrefillGraph`)
+        images = tuple(inputs[k] for k in ("image_embeds", "image_mask") if k in inputs)
+        return (inputs["input_ids"], inputs["position_ids"], inputs["seq_ids"], *images, kv_cache, *window)
     sampling = tuple(inputs[k] for k in ("temperature", "top_k", "top_p", "uniforms") if k in inputs)
     return (inputs["input_ids"], inputs["position_ids"], kv_cache, *window, *sampling)

@@ -12,6 +12,7 @@ from .artifact import Artifact
 from .errors import InputError
 from .runtime.engine import Engine
 from .runtime.generate import generate, score_prompts
+from .runtime.images import ImageInput
 from .runtime.sampling import SamplingParams
 
 
@@ -45,6 +46,7 @@ class NeuronModelForCausalLM:
         output_scores: bool = False,
         output_logits: bool = False,
         return_dict_in_generate: bool = False,
+        images: list[list[ImageInput]] | None = None,
         **unsupported: Any,
     ) -> Any:
         """Generate like ``transformers``' ``generate``: returns ``[N, L + new]``, the input ids followed
@@ -55,7 +57,8 @@ class NeuronModelForCausalLM:
         ``GenerateDecoderOnlyOutput``: ``sequences``, and per new token ``[N, V]`` fp32 ``scores`` (what the
         sampler drew from: the logits when greedy, else temperature, top-k and top-p applied) with
         ``output_scores``, raw ``logits`` with ``output_logits``; a row that already stopped puts all its
-        mass on ``pad_token_id`` there (score 0, others -inf)."""
+        mass on ``pad_token_id`` there (score 0, others -inf). ``images[i]`` are the images of row i (image-text
+        artifacts: `NeuronModelForImageTextToText` builds them from the processor's ``pixel_values``)."""
         if unsupported:
             raise InputError(f"generate() does not support {sorted(unsupported)} on compiled graphs.")
         gen = self.generation_config
@@ -71,7 +74,8 @@ class NeuronModelForCausalLM:
         pad = _pick(pad_token_id, gen, "pad_token_id", None)
         pad = int(pad if pad is not None else (min(eos) if eos else 0))
         prompts = [p for p in _real_tokens(input_ids, attention_mask) for _ in range(num_return_sequences)]
-        out = generate(self.engine, prompts, int(max_new_tokens or 20), params, eos)
+        rows = [i for i in images for _ in range(num_return_sequences)] if images is not None else None
+        out = generate(self.engine, prompts, int(max_new_tokens or 20), params, eos, rows)
         width = max(len(t) for t in out.tokens)
         tail = torch.full((len(prompts), width), pad, dtype=torch.long)
         for row, tokens in enumerate(out.tokens):

@@ -28,9 +28,10 @@ from ...neuron.artifact import (
 from ...neuron.backends import get_backend
 from ...neuron.config import CONFIG_FILE, NeuronConfig
 from ...neuron.errors import UnsupportedModelError, WeightLoadingError
-from ...neuron.graphs import GraphSpec, example_inputs, graph_args, graph_specs, window_dims
+from ...neuron.graphs import GraphSpec, example_inputs, graph_args, graph_specs, image_row_inputs, window_dims
 from ...neuron.models.base import StaticDecoder, graph_module
-from ...neuron.models.registry import served_config, supported_model_types
+from ...neuron.models.image_text import fit_images
+from ...neuron.models.registry import image_text_family, language_config, served_config, supported_model_types
 from ...neuron.progress import StepProgress
 from ...neuron.weights import constants_of, map_state_dict, read_checkpoint
 from .cache import cache_lock, cache_root, code_fingerprint
@@ -44,6 +45,9 @@ _HF_FILES = (
     "merges.txt",
     "tokenizer.model",
     "generation_config.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+    "chat_template.json",
 )
 
 
@@ -119,18 +123,19 @@ def _replace_file(source: str, target: str) -> str:
 
 def _build(model_dir: Path, out: Path, config: NeuronConfig, device: str | torch.device) -> None:
     backend = get_backend(config.backend)
+    hf_config = _hf_config(model_dir)
+    config = fit_images(config, image_text_family(hf_config), hf_config, model_dir)
     specs = graph_specs(config)
     (out / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
     with StepProgress(f"export {model_dir.name} ({config.backend}, {config.device})", 2 + len(specs)) as bar:
         with bar.step("load checkpoint"):
-            hf_config = _hf_config(model_dir)
             decoder, weights = load_decoder(hf_config, model_dir, config, device)
             kv_cache = allocate_cache(hf_config, config, device)
         files: dict[str, str] = {}
         for spec in specs:
             files[spec.name] = graph_file(spec.name, backend.suffix)
             with bar.step(f"trace + compile {spec.name} {_shape(spec)}"):
-                inputs = {k: v.to(device) for k, v in example_inputs(spec).items()}
+                inputs = {k: v.to(device) for k, v in _example_inputs(spec, hf_config, config).items()}
                 args = graph_args(spec.kind, inputs, kv_cache)
                 backend.compile(graph_module(decoder, spec).eval(), args, out / files[spec.name], window_dims(spec))
         with bar.step("write artifact"):
@@ -166,7 +171,17 @@ def load_decoder(
     return assemble(hf_config, config, weights), weights
 
 
+def _example_inputs(spec: GraphSpec, hf_config: Any, config: NeuronConfig) -> dict[str, torch.Tensor]:
+    """The tracing inputs of graph ``spec``, with the image rows of an image-text prefill graph."""
+    inputs = example_inputs(spec)
+    if spec.images:
+        inputs.update(image_row_inputs(spec, language_config(hf_config).hidden_size, config.torch_dtype))
+    return inputs
+
+
 def _shape(spec: GraphSpec) -> str:
+    if spec.image_size:
+        return f"[{spec.batch}, 3, {spec.image_size}, {spec.image_size}]"
     windows = ", ".join(map(str, spec.windows))
     return f"[{spec.batch}, {spec.tokens}]" + (f" KV windows {windows}" if spec.windows else "")
 

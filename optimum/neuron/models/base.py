@@ -24,6 +24,10 @@ from .layers.attention import (
 from .layers.mlp import FusedGatedMLP, GatedMLP
 from .layers.rope import Rotary, RotaryPerType
 from .layers.sampling import sample_tokens
+from .layers.splice import splice_image_rows
+
+ImageRows = tuple[torch.Tensor, torch.Tensor]
+"""An image-text prefill chunk's ``image_embeds [1, T, H]`` and ``image_mask [1, T]`` (`layers.splice`)."""
 
 
 def attention_dims(hf_config: Any) -> AttentionDims:
@@ -126,8 +130,17 @@ class StaticDecoder(nn.Module):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.to(torch.float32)
 
-    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_cache: list[torch.Tensor], ctx):
+    def _hidden(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        kv_cache: list[torch.Tensor],
+        ctx,
+        image_rows: ImageRows | None = None,
+    ):
         h = self.model.embed_tokens(input_ids)
+        if image_rows is not None:
+            h = splice_image_rows(h, *image_rows)
         rope = self.model.rotary_emb(position_ids, h.dtype)  # one (cos, sin), or one per layer type
         for i, layer in enumerate(self.model.layers):
             layer_rope = rope[layer.layer_type] if isinstance(rope, dict) else rope
@@ -142,18 +155,19 @@ class StaticDecoder(nn.Module):
         kv_cache: list[torch.Tensor],
         key_positions: torch.Tensor | None,
         seq_ids: torch.Tensor | None = None,
+        image_rows: ImageRows | None = None,
     ) -> torch.Tensor:
         """Run graph ``spec.kind`` reading the cache through the KV window ``key_positions [W]`` (``None``: the
         graph reads no earlier cache): prefill kinds return last-real-token logits ``[1, V]`` (every column's
-        ``[T, V]`` for an ``all_rows`` graph); token generation returns logits ``[B, V]`` (sampling is applied by
-        `TokenGenerationGraph`)."""
+        ``[T, V]`` for an ``all_rows`` graph), splicing ``image_rows`` in when given; token generation returns
+        logits ``[B, V]`` (sampling is applied by `TokenGenerationGraph`)."""
         if spec.kind is GraphKind.TOKEN_GENERATION:
             assert key_positions is not None, "token generation reads the cache"
             ctx: AttentionContext = DecodeContext.build(position_ids, key_positions, self.windows)
             return self._logits(self._hidden(input_ids, position_ids, kv_cache, ctx)[:, -1])
         assert seq_ids is not None, "prefill graphs take the slot id"
         ctx = ChunkContext.build(seq_ids, position_ids, kv_cache[0].shape[2], key_positions, self.windows)
-        h = self._hidden(input_ids, position_ids, kv_cache, ctx)
+        h = self._hidden(input_ids, position_ids, kv_cache, ctx, image_rows)
         if spec.all_rows:  # prompt logprobs: every column; the runtime keeps the real ones (actual-tokens mask)
             return self._logits(h[0])
         last = torch.argmax(position_ids[0]).reshape(1)  # invariant 5: max position = last real token
@@ -176,7 +190,7 @@ class _Graph(nn.Module):
 
 
 class PrefillGraph(_Graph):
-    """Exportable signature of the context-encoding and chunked-prefill graphs."""
+    """Exportable signature of the context-encoding and chunked-prefill graphs of a text artifact."""
 
     def forward(
         self,
@@ -187,6 +201,24 @@ class PrefillGraph(_Graph):
         key_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self.decoder(self.spec, input_ids, position_ids, kv_cache, key_positions, seq_ids)
+
+
+class ImagePrefillGraph(_Graph):
+    """Exportable signature of an image-text artifact's prefill graphs: the chunk's image rows come before the
+    cache (`GraphSpec.images`, `graphs.graph_args`) and are spliced over the token embeddings."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+        image_embeds: torch.Tensor,
+        image_mask: torch.Tensor,
+        kv_cache: list[torch.Tensor],
+        key_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        images = (image_embeds, image_mask)
+        return self.decoder(self.spec, input_ids, position_ids, kv_cache, key_positions, seq_ids, images)
 
 
 class TokenGenerationGraph(_Graph):
@@ -212,6 +244,10 @@ class TokenGenerationGraph(_Graph):
 
 def graph_module(decoder: StaticDecoder, spec: GraphSpec) -> nn.Module:
     """The module to trace or run for graph ``spec.kind``."""
+    if spec.kind is GraphKind.VISION_ENCODER:
+        from .vision import VisionEncoderGraph
+
+        return VisionEncoderGraph(decoder)
     if spec.kind is GraphKind.TOKEN_GENERATION:
         return TokenGenerationGraph(decoder, spec)
-    return PrefillGraph(decoder, spec)
+    return ImagePrefillGraph(decoder, spec) if spec.images else PrefillGraph(decoder, spec)

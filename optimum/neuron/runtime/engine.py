@@ -29,8 +29,10 @@ from ..errors import InputError
 from ..graphs import GraphKind, GraphSpec, graph_args, graph_specs, key_positions, prefill_kind, select_graph
 from ..models.base import StaticDecoder, graph_module
 from ..models.layers.masks import actual_tokens_mask
+from ..models.registry import image_text_family, language_config
+from .images import ImageInput, ImageLimits, SequenceImages, check_images
 from .logprobs import PromptScorer, token_logprobs
-from .padding import decode_rows, pad_chunk, split_chunks
+from .padding import decode_rows, pad_chunk, pad_image_rows, pad_tiles, split_chunks
 from .sampling import HostSampler, SamplingParams, SequenceSampler, sample_on_host, sampling_tensors
 from .sequence import SeqId, Sequence, StepResult
 from .slots import SlotTable
@@ -47,7 +49,10 @@ class Engine:
     def __init__(self, artifact: Artifact) -> None:
         self.artifact = artifact
         self.config = artifact.config
-        self.hf_config = artifact.hf_config()
+        self.model_config = artifact.hf_config()
+        """The model's transformers config (an image-text model's whole config)."""
+        self.hf_config = language_config(self.model_config)
+        """The language decoder's transformers config (vocabulary, layers)."""
         backend = get_backend(self.config.backend)
         self.device = backend.placement(self.config.device)
         self.weights = artifact.load_weights(self.device)
@@ -61,11 +66,13 @@ class Engine:
             name: backend.load(artifact.graph_path(name), self.weights, partial(self._module, spec))
             for name, spec in self.specs.items()
         }
+        self.image_limits = self._image_limits()
+        """What the artifact accepts as images; None for a text-only artifact."""
 
     def _module(self, spec: GraphSpec) -> torch.nn.Module:
         """The eager module of graph ``spec`` bound to the shared weights (backends that run model code)."""
         if self._decoder is None:
-            self._decoder = assemble(self.hf_config, self.config, self.weights)
+            self._decoder = assemble(self.model_config, self.config, self.weights)
         return graph_module(self._decoder, spec).eval()
 
     def _graph(self, kind: GraphKind, reach: int, *, logits: bool = False, all_rows: bool = False) -> GraphCall:
@@ -89,12 +96,17 @@ class Engine:
 
     # --- sequence lifetime ----------------------------------------------------------------------
 
-    def admit(self, seq_id: SeqId, prompt: Seq[int], params: SamplingParams) -> Sequence:
-        """Take a KV slot for a new sequence. `InputError` for a prompt or sampling the artifact cannot
-        serve, `SlotError` when every slot is taken; nothing is held after an error."""
+    def admit(self, seq_id: SeqId, prompt: Seq[int], params: SamplingParams, images: Seq[ImageInput] = ()) -> Sequence:
+        """Take a KV slot for a new sequence (with the ``images`` whose rows its prompt's placeholders take, for an
+        image-text artifact). `InputError` for a prompt, images or sampling the artifact cannot serve, `SlotError`
+        when every slot is taken; nothing is held after an error."""
         if seq_id in self._sequences:
             raise InputError(f"sequence {seq_id!r} is already admitted: release it first, or use another id.")
         tokens = self._checked_prompt(prompt)
+        if self.image_limits is not None:
+            check_images(tokens, images, self.image_limits)
+        elif images:
+            raise InputError("this artifact is text-only: export an image-text model to send images.")
         if params.host is None:  # a HostSampler applies its own top-k
             params.check(self.config.max_topk)
         params.check_graphs(self.config)
@@ -102,6 +114,8 @@ class Engine:
         sequence = Sequence(seq_id, slot, tokens, len(tokens), self.config.sequence_length, SequenceSampler(params))
         if params.prompt_logprobs is not None:
             sequence.scorer = PromptScorer(list(tokens), params.prompt_logprobs)
+        if self.image_limits is not None:
+            sequence.images = SequenceImages(list(images))
         self._sequences[seq_id] = sequence
         return sequence
 
@@ -115,8 +129,15 @@ class Engine:
         """Forget ``seq_id`` and free its slot; its stale cache rows are never read again. Releasing an
         unknown id does nothing (vLLM reports aborts of requests that never reached the model)."""
         sequence = self._sequences.pop(seq_id, None)
+        if sequence is not None and sequence.images is not None:
+            sequence.images.drop()
         if sequence is not None and sequence.slot is not None:
             self.slots.release(sequence.slot)
+
+    @property
+    def cached_images(self) -> int:
+        """Images whose encoded rows are cached, over every sequence (rows still to be spliced into a chunk)."""
+        return sum(len(s.images.cache) for s in self._sequences.values() if s.images is not None)
 
     def preempt(self, seq_id: SeqId) -> None:
         """Free the slot of ``seq_id`` but keep its tokens and sampler; `resume` recomputes its cache."""
@@ -124,6 +145,8 @@ class Engine:
         if sequence is not None and sequence.slot is not None:
             self.slots.release(sequence.slot)
             sequence.slot, sequence.computed = None, 0
+            if sequence.images is not None:  # recomputed from position 0: its images are encoded again
+                sequence.images.drop()
             if sequence.scorer is not None:  # its prompt rows are computed again from position 0
                 sequence.scorer.reset()
 
@@ -228,7 +251,7 @@ class Engine:
         logits = torch.empty(0)
         for chunk, chunk_start in split_chunks(sequence.tokens[start : start + count], start, self.chunk_size):
             scoring = scorer is not None and scorer.wants(chunk_start)
-            rows = self._run_prefill(chunk, chunk_start, _held(sequence), all_rows=scoring)
+            rows = self._run_prefill(chunk, chunk_start, sequence, result, all_rows=scoring)
             if scorer is not None and scoring:
                 scorer.add(chunk_start, rows)
             logits = rows[-1]  # the last real token's (invariant 5)
@@ -245,14 +268,49 @@ class Engine:
         token = sample_on_host(logits[None], [sequence.sampler], self.config.max_topk)[0]
         self._append(sequence, int(token), result, logits)
 
-    def _run_prefill(self, token_ids: list[int], start: int, slot: int, all_rows: bool) -> torch.Tensor:
-        """One prefill-graph call on up to one chunk of real tokens: the last real token's logits ``[1, V]``, or
-        with ``all_rows`` those of every real row ``[n, V]`` (the actual-tokens mask drops the padded ones)."""
+    def _run_prefill(
+        self, token_ids: list[int], start: int, sequence: Sequence, result: StepResult, all_rows: bool
+    ) -> torch.Tensor:
+        """One prefill-graph call on up to one chunk of real tokens of ``sequence``: the last real token's logits
+        ``[1, V]``, or with ``all_rows`` those of every real row ``[n, V]`` (the actual-tokens mask drops the padded
+        ones). An image-text artifact's call also takes the chunk's image rows."""
         ids, positions = pad_chunk(token_ids, start, self.chunk_size)
-        inputs = {"input_ids": ids, "position_ids": positions, "seq_ids": torch.tensor([slot])}
+        inputs = {"input_ids": ids, "position_ids": positions, "seq_ids": torch.tensor([_held(sequence)])}
+        if sequence.images is not None:
+            inputs.update(self._image_rows(sequence, start, len(token_ids), result))
         spec, window = self._graph(self.prefill_kind, start, all_rows=all_rows)  # it reads positions [0, start)
         out = self._call(spec, window, inputs).float().cpu()
         return out[actual_tokens_mask(positions)[0]] if all_rows else out
+
+    def _image_rows(self, sequence: Sequence, start: int, count: int, result: StepResult) -> dict[str, torch.Tensor]:
+        """The image inputs of ``sequence``'s chunk of ``count`` real tokens at ``start`` (images it intersects are
+        encoded first if not cached, `SequenceImages.chunk_rows`), padded to the chunk (`padding.pad_image_rows`)."""
+        assert sequence.images is not None
+        found = sequence.images.chunk_rows(start, count, self._encode)
+        if found is None:
+            hidden = self.hf_config.hidden_size
+            rows, mask = torch.zeros(count, hidden, dtype=self.config.torch_dtype), torch.zeros(count, dtype=torch.bool)
+        else:
+            encoded, rows, mask = found
+            result.encoded.extend((sequence.seq_id, index) for index in encoded)
+        embeds, image_mask = pad_image_rows(rows, mask, self.chunk_size)
+        return {"image_embeds": embeds, "image_mask": image_mask}
+
+    def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """One image's rows ``[t * rows_per_tile, H]``: its tiles through the vision-encoder graph, in batches of the
+        graph's tiles (`padding.pad_tiles`), the rows of filler tiles dropped."""
+        spec, _ = self._graph(GraphKind.VISION_ENCODER, 0)
+        batches = pad_tiles(pixels.to(self.config.torch_dtype), spec.batch)
+        rows = torch.cat([self._call(spec, 0, {"pixel_values": batch}) for batch in batches])
+        return rows[: pixels.shape[0] * rows.shape[0] // (spec.batch * len(batches))]
+
+    def _image_limits(self) -> ImageLimits | None:
+        """The image limits of an image-text artifact (None for a text-only one)."""
+        family = image_text_family(self.model_config)
+        if family is None or not self.config.image_tiles:
+            return None
+        rows = family.rows_per_tile(self.model_config, self.config.image_size)
+        return ImageLimits(self.config.max_images, self.config.image_size, rows, int(self.model_config.image_token_id))
 
     def _sample_on_host(self, sampler: HostSampler, host: HostRows, result: StepResult) -> None:
         """The tokens of the sequences a `HostSampler` samples, in one call (row b of its logits: slot b)."""

@@ -13,6 +13,7 @@ import torch
 
 from ..errors import InputError
 from .engine import Engine
+from .images import ImageInput
 from .logprobs import Logprobs
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -34,15 +35,19 @@ def generate(
     max_new_tokens: int,
     params: SamplingParams,
     eos_token_ids: set[int],
+    images: Seq[Seq[ImageInput]] | None = None,
 ) -> Generation:
-    """New tokens (and, with ``params.return_logits``, their logits) for each prompt; every slot taken is given
-    back, whatever happens."""
+    """New tokens (and, with ``params.return_logits``, their logits) for each prompt (``images[i]``: the images of
+    prompt i, image-text artifacts); every slot taken is given back, whatever happens."""
     _check_batch(engine, prompts, max_new_tokens)
     call = object()  # this call's sequence ids cannot clash with anyone else's
     ids = [(call, row) for row in range(len(prompts))]
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     try:
-        sequences = [engine.admit(ids[row], p, _row_params(params, row)) for row, p in enumerate(prompts)]
+        sequences = [
+            engine.admit(ids[row], p, _row_params(params, row), images[row] if images else ())
+            for row, p in enumerate(prompts)
+        ]
         work = {s.seq_id: s.pending for s in sequences}
         while work:
             result = engine.step(work)

@@ -44,3 +44,24 @@ def decode_rows(
     for slot, (token, position) in active.items():
         ids[slot, 0], positions[slot, 0] = token, position
     return ids, positions
+
+
+def pad_tiles(pixels: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """An image's tiles ``[t, 3, S, S]`` in vision-encoder batches of ``size`` tiles, the last one filled with zero
+    tiles: tiles never see each other, so a filler tile changes no real tile's rows (the caller drops its rows)."""
+    batches = list(torch.split(pixels, size))
+    fill = size - batches[-1].shape[0]
+    if fill:
+        batches[-1] = torch.cat((batches[-1], batches[-1].new_zeros(fill, *pixels.shape[1:])))
+    return batches
+
+
+def pad_image_rows(rows: torch.Tensor, mask: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The image inputs of a prefill chunk: ``rows [n, H]`` and ``mask [n]`` of its ``n`` real columns, padded to
+    ``size`` columns by repeating the last real column's row and mask value (with `pad_chunk`'s repeated token id and
+    position, a padded column then computes exactly what the last real one computes: invariant 4). Returns
+    ``image_embeds [1, size, H]`` and ``image_mask [1, size]``."""
+    fill = size - rows.shape[0]
+    rows = torch.cat((rows, rows[-1:].expand(fill, -1)))
+    mask = torch.cat((mask, mask[-1:].expand(fill)))
+    return rows[None], mask[None]

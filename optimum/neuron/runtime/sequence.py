@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .images import SequenceImages
 from .logprobs import Logprobs, PromptScorer
 from .sampling import SequenceSampler
 
@@ -37,6 +38,8 @@ class Sequence:
     """Tokens whose K/V are in the slot's cache: also the cache position the next token is written at."""
     scorer: PromptScorer | None = None
     """Its prompt logprobs while they are gathered (None when not asked, or once returned)."""
+    images: SequenceImages | None = None
+    """Its images and their cached rows (image-text artifacts; None for a text-only one)."""
 
     @property
     def pending(self) -> int:
@@ -80,3 +83,5 @@ class StepResult:
     """Sequences fed through the token-generation graph, in row order."""
     prefills: list[tuple[SeqId, int, int]] = field(default_factory=list)
     """``(seq_id, start, count)`` of every prefill range, in the order they ran."""
+    encoded: list[tuple[SeqId, int]] = field(default_factory=list)
+    """``(seq_id, image index)`` of every image encoded by the vision-encoder graph, in the order they ran."""

@@ -16,9 +16,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import IncompatibleConfigError, InputError
+
 VLLM_VERSION = "0.32.0"
 KV_LAYER_NAME = "optimum_neuron.kv"
 """The single layer name of the placeholder KV spec: our cache lives in the engine, not in vLLM."""
+
+
+@dataclass(frozen=True)
+class ImageItem:
+    """One image of a request (a ``MultiModalFeatureSpec`` of modality ``image``), as vLLM's multimodal processor made
+    it from the model's transformers processor."""
+
+    pixels: torch.Tensor
+    """Its tiles, ``[t, 3, S, S]``."""
+    pixel_mask: torch.Tensor | None
+    """``[t, S, S]``: which pixels of each tile are the image's."""
+    positions: tuple[int, ...]
+    """The prompt positions its rows go to: the embedding positions of its ``PlaceholderRange`` (``is_embed``)."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +44,7 @@ class NewRequest:
     prompt_token_ids: list[int]
     sampling_params: Any
     num_computed_tokens: int
+    images: tuple[ImageItem, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,7 +75,7 @@ class Step:
 def read_step(scheduler_output: Any) -> Step:
     """`Step` from a vLLM ``SchedulerOutput``."""
     new = [
-        NewRequest(r.req_id, list(r.prompt_token_ids or []), r.sampling_params, r.num_computed_tokens)
+        NewRequest(r.req_id, list(r.prompt_token_ids or []), r.sampling_params, r.num_computed_tokens, read_images(r))
         for r in scheduler_output.scheduled_new_reqs
     ]
     c = scheduler_output.scheduled_cached_reqs
@@ -75,6 +91,52 @@ def read_step(scheduler_output: Any) -> Step:
         preempted=set(scheduler_output.preempted_req_ids or ()),
         structured=bool(scheduler_output.has_structured_output_requests),
     )
+
+
+def read_images(new_request: Any) -> tuple[ImageItem, ...]:
+    """The images of a ``NewRequestData`` from its ``mm_features`` (``pixel_values`` / ``pixel_attention_mask`` of the
+    item's ``MultiModalKwargsItem``, positions from its ``PlaceholderRange``)."""
+    images = []
+    for feature in getattr(new_request, "mm_features", None) or ():
+        if feature.modality != "image" or feature.data is None:
+            raise InputError(
+                f"request {new_request.req_id}: a {feature.modality} input without data reached the model runner; "
+                "only images are served, with vLLM's multimodal processor cache off (the platform sets it)."
+            )
+        fields = feature.data.get_data()
+        place = feature.mm_position
+        offsets = range(place.length) if place.is_embed is None else place.is_embed.nonzero().flatten().tolist()
+        mask = fields.get("pixel_attention_mask")
+        images.append(ImageItem(fields["pixel_values"], mask, tuple(place.offset + int(o) for o in offsets)))
+    return tuple(images)
+
+
+def limit_images(vllm_config: Any, max_images: int) -> None:
+    """Serve at most ``max_images`` images per prompt (``limit_mm_per_prompt``; vLLM's processor answers a prompt with
+    more with a 400 naming the limit); an explicit larger ``--limit-mm-per-prompt`` is refused. Turns vLLM's multimodal
+    processor cache off, so every image's pixels reach the runner."""
+    from vllm.config.multimodal import MultiModalConfig
+
+    mm = vllm_config.model_config.multimodal_config
+    asked = mm.limit_per_prompt.get("image")
+    if asked is not None and asked.count > max_images:
+        raise IncompatibleConfigError(
+            f"--limit-mm-per-prompt asks for {asked.count} images but the artifact serves at most max_images="
+            f"{max_images} per prompt: lower it, or re-export with --max_images {asked.count}."
+        )
+    count = max_images if asked is None else asked.count
+    mm.limit_per_prompt = MultiModalConfig._validate_limit_per_prompt({"image": count})
+    mm.mm_processor_cache_gb = 0
+
+
+def encoder_budget(vllm_config: Any) -> None:
+    """vLLM's encoder accounting for chunked multimodal prefill: images may be split across steps
+    (``disable_chunked_mm_input`` off), and the encoder compute budget and cache are one token budget, which vLLM
+    raises to its largest image (``compute_mm_encoder_budget``), so an image larger than the token budget is still
+    scheduled. docs/multimodal.md explains why this cannot deadlock."""
+    sched = vllm_config.scheduler_config
+    sched.disable_chunked_mm_input = False
+    sched.max_num_encoder_input_tokens = sched.encoder_cache_size = sched.max_num_batched_tokens
 
 
 def runner_output(

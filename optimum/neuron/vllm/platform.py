@@ -140,6 +140,9 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         compat.disable_graph_capture(vllm_config)
         vllm_config.model_config.dtype = neuron.torch_dtype  # what the artifact computes in (logs, metadata)
         resolve_limits(vllm_config, neuron)
+        if neuron.image_tiles:  # an image-text artifact: vLLM's multimodal processor feeds the runner images
+            compat.limit_images(vllm_config, neuron.max_images)
+            compat.encoder_budget(vllm_config)
         vllm_config.cache_config.block_size = vllm_config.model_config.max_model_len
         self.served = neuron
         logger.info(

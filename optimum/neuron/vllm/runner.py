@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import InputError, SlotError
 from ..runtime.engine import Engine
+from ..runtime.images import ImageInput, real_tiles
 from ..runtime.logprobs import Logprobs
 from ..runtime.sequence import StepResult
 from .compat import CachedRequest, HostSampling, Step
@@ -62,7 +63,8 @@ class Runner:
         for new in step.new:
             if new.num_computed_tokens:
                 raise SlotError(f"request {new.req_id} arrives with cached tokens, but prefix caching must be off.")
-            self.engine.admit(new.req_id, new.prompt_token_ids, to_sampling_params(new.sampling_params))
+            images = [ImageInput(real_tiles(i.pixels, i.pixel_mask), i.positions) for i in new.images]
+            self.engine.admit(new.req_id, new.prompt_token_ids, to_sampling_params(new.sampling_params), images)
         for cached in step.cached:
             self._sync(cached)
         result = self.engine.step(step.num_scheduled_tokens, self.host.for_step(grammar_output))
