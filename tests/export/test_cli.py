@@ -85,14 +85,14 @@ def unknown_arch(tmp_path: Path, model_type: str) -> str:
 
 BAD_INPUTS = [
     ("optimum-cli", ["--tensor_parallel_size", "2"], ["tensor parallelism", "--tensor_parallel_size 1"]),
-    ("python -m", ["--prefill_chunk_size", "64"], ["prefill_chunk_size=64", "--prefill_chunk_size"]),
+    ("main()", ["--prefill_chunk_size", "64"], ["prefill_chunk_size=64", "--prefill_chunk_size"]),
     ("optimum-cli", ["--prefill_chunk_size", "-8"], ["prefill_chunk_size=-8", "--prefill_chunk_size"]),
-    ("python -m", ["--backend", "neuron"], ["cannot run on device='cpu'", "--backend neuron needs --device neuron"]),
+    ("main()", ["--backend", "neuron"], ["cannot run on device='cpu'", "--backend neuron needs --device neuron"]),
     ("optimum-cli", ["--backend", "neuron", "--device", "neuron"], ["torch_neuronx", "--backend inductor"]),
-    ("python -m", ["--device", "cuda"], ["no CUDA device", "--device cpu"]),
-    ("python -m", ["--backend", "xla", "--device", "neuron"], ["torch-neuronx", "no Neuron device", "not verified"]),
+    ("main()", ["--device", "cuda"], ["no CUDA device", "--device cpu"]),
+    ("main()", ["--backend", "xla", "--device", "neuron"], ["torch-neuronx", "no Neuron device", "not verified"]),
     ("optimum-cli", ["--backend", "xla", "--device", "cuda"], ["--device cpu", "--backend inductor --device cuda"]),
-    ("python -m", ["--backend", "xla"], ["torch-xla is not installed", "make install-xla"]),
+    ("main()", ["--backend", "xla"], ["torch-xla is not installed", "make install-xla"]),
     ("optimum-cli", ["--kv_buckets", "16,8"], ["kv_buckets='16,8'", "strictly increasing", "--kv_buckets auto"]),
 ]
 
@@ -112,9 +112,9 @@ def test_bad_flags_exit_2_with_fix(tmp_path: Path, entry: str, flags: list[str],
 @pytest.mark.parametrize(
     ("entry", "model_type", "fragments"),
     [
-        ("python -m", None, ["not a transformers checkpoint folder", "--model"]),
+        ("main()", None, ["not a transformers checkpoint folder", "--model"]),
         ("optimum-cli", "my_unknown_arch", ["my_unknown_arch", "supported model types", "llama", "qwen2"]),
-        ("python -m", "gpt2", ["'gpt2' is not supported", "llama", "qwen3"]),
+        ("main()", "gpt2", ["'gpt2' is not supported", "llama", "qwen3"]),
     ],
 )
 def test_bad_model_exits_2_with_fix(tmp_path: Path, entry: str, model_type: str | None, fragments: list[str]) -> None:
@@ -139,7 +139,7 @@ def test_unimplemented_config_field_exits_2_naming_it(
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, **changes}))
     out = tmp_path / "out"
-    done = run_cli("python -m", "--model", str(folder), "--sequence_length", length, "--backend", "eager", str(out))
+    done = run_cli("main()", "--model", str(folder), "--sequence_length", length, "--backend", "eager", str(out))
     assert_refused(done, [f"config field {field}"])
     assert not out.exists()
 
