@@ -125,11 +125,16 @@ def text_tower(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     the older ``language_model.model.*``) -> its text decoder's keys (``model.*``, ``lm_head.weight``). The
     vision tower and projector (``vision_tower.*``, ``multi_modal_projector.*``) are left out: this toolkit
     serves the text decoder only. A text-only checkpoint passes through unchanged."""
+    for key in [k for k in state if k.startswith(_VISION)]:
+        del state[key]
+    return rename_prefixes(state, _TEXT_TOWER)
+
+
+def rename_prefixes(state: dict[str, torch.Tensor], rules: tuple[tuple[str, str], ...]) -> dict[str, torch.Tensor]:
+    """Rename in place every key starting with a rule's old prefix to its new prefix (the first matching rule);
+    `WeightLoadingError` when a renamed key already exists (two models in one checkpoint)."""
     for key in list(state):
-        if key.startswith(_VISION):
-            del state[key]
-            continue
-        for old, new in _TEXT_TOWER:
+        for old, new in rules:
             if key.startswith(old):
                 renamed = new + key[len(old) :]
                 if renamed in state:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InputError, UnsupportedModelError, WeightLoadingError
+from ..errors import InputError, UnsupportedModelError
+from ..weights import rename_prefixes
 from .image_text import ImageTextFamily, ImageTiles
 from .vision import PixelShuffleConnector, VisionTower
 
@@ -31,15 +32,7 @@ def checkpoint_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     """transformers' ``Idefics3ForConditionalGeneration`` keys (``model.text_model.*``, ``model.vision_model.*``,
     ``model.connector.*``, ``lm_head.weight``) -> the static model's (``model.*``, ``vision_model.*``, ``connector.*``,
     ``lm_head.weight``). Anything else is left for the strict map to refuse."""
-    for key in list(state):
-        for old, new in _LAYOUT:
-            if key.startswith(old):
-                renamed = new + key[len(old) :]
-                if renamed in state:
-                    raise WeightLoadingError(f"checkpoint has both {key!r} and {renamed!r}; it is not one model.")
-                state[renamed] = state.pop(key)
-                break
-    return state
+    return rename_prefixes(state, _LAYOUT)
 
 
 def language_config(hf_config: Any) -> Any:
