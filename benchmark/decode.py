@@ -32,15 +32,15 @@ def _prompts(batch: int, length: int) -> list[list[int]]:
     return [torch.randint(100, 40000, (length,), generator=generator).tolist() for _ in range(batch)]
 
 
-def measure_ours(artifact: str, batch: int, steps: int) -> list[float]:
-    """Per-step decode times (s) of our engine with ``batch`` live slots after a CONTEXT-token prefill."""
+def measure_ours(artifact: str, batch: int, steps: int, context: int = CONTEXT) -> list[float]:
+    """Per-step decode times (s) of our engine with ``batch`` live slots after a ``context``-token prefill."""
     from optimum.neuron import NeuronModelForCausalLM
     from optimum.neuron.runtime.sampling import SamplingParams
 
     engine = NeuronModelForCausalLM.from_pretrained(artifact).engine
-    for row, prompt in enumerate(_prompts(batch, CONTEXT)):
+    for row, prompt in enumerate(_prompts(batch, context)):
         engine.admit(row, prompt, SamplingParams())
-        engine.step({row: CONTEXT})
+        engine.step({row: context})
     times = []
     for _ in range(steps + 3):
         start = time.perf_counter()
@@ -49,14 +49,17 @@ def measure_ours(artifact: str, batch: int, steps: int) -> list[float]:
     return times[3:]
 
 
-def measure_transformers(model_dir: str, dtype: str, batch: int, steps: int, device: str = "cpu") -> list[float]:
-    """Per-step times (s) of transformers eager decoding with its dynamic KV cache, on ``device``."""
+def measure_transformers(
+    model_dir: str, dtype: str, batch: int, steps: int, device: str = "cpu", context: int = CONTEXT
+) -> list[float]:
+    """Per-step times (s) of transformers eager decoding with its dynamic KV cache after a ``context``-token
+    prompt, on ``device``."""
     from transformers import AutoModelForCausalLM
 
     from optimum.neuron.config import DTYPES
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval().to(device)
-    ids = torch.tensor(_prompts(batch, CONTEXT), device=device)
+    ids = torch.tensor(_prompts(batch, context), device=device)
     times = []
     with torch.inference_mode():
         out = model(ids, use_cache=True)

@@ -22,8 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from benchmark.decode import measure_ours, measure_transformers
 from benchmark.machine import describe
 
 RESULTS = Path(__file__).parent / "results"
@@ -31,44 +30,6 @@ SEQUENCE_LENGTH, CHUNK = 2048, 256
 CASES = [(8, 64), (8, 256), (8, 1024), (8, 2000), (1, 64), (1, 2000)]
 """(batch, live context) points: every slot holds a prompt of that many tokens, then decodes."""
 QUICK_CASES = [(8, 64), (8, 2000)]
-
-
-def _prompts(batch: int, length: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randint(100, 40000, (length,), generator=generator).tolist() for _ in range(batch)]
-
-
-def _ours(artifact: str, batch: int, context: int, steps: int) -> list[float]:
-    from optimum.neuron import NeuronModelForCausalLM
-    from optimum.neuron.runtime.sampling import SamplingParams
-
-    engine = NeuronModelForCausalLM.from_pretrained(artifact).engine
-    for row, prompt in enumerate(_prompts(batch, context)):
-        engine.admit(row, prompt, SamplingParams())
-        engine.step({row: context})
-    times = []
-    for _ in range(steps + 3):
-        start = time.perf_counter()
-        engine.step(dict.fromkeys(range(batch), 1))
-        times.append(time.perf_counter() - start)
-    return times[3:]
-
-
-def _transformers(model_dir: str, batch: int, context: int, steps: int) -> list[float]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor(_prompts(batch, context))
-    times = []
-    with torch.inference_mode():
-        out = model(ids, use_cache=True)
-        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        for _ in range(steps + 3):
-            start = time.perf_counter()
-            out = model(token, past_key_values=past, use_cache=True)
-            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            times.append(time.perf_counter() - start)
-    return times[3:]
 
 
 def _export(model_dir: str, buckets: str, batch: int, out: str) -> float:
@@ -88,9 +49,11 @@ def _worker(spec: dict[str, Any]) -> None:
     if spec["task"] == "export":
         print(json.dumps({"seconds": _export(spec["model_dir"], spec["buckets"], spec["batch"], spec["out"])}))
         return
-    measure = _transformers if spec["task"] == "transformers" else _ours
-    source = spec["model_dir"] if spec["task"] == "transformers" else spec["artifact"]
-    times = measure(source, spec["batch"], spec["context"], spec["steps"])
+    batch, context, steps = spec["batch"], spec["context"], spec["steps"]
+    if spec["task"] == "transformers":
+        times = measure_transformers(spec["model_dir"], "fp32", batch, steps, context=context)
+    else:
+        times = measure_ours(spec["artifact"], batch, steps, context=context)
     print(json.dumps({"median_ms": 1000 * statistics.median(times)}))
 
 
@@ -109,6 +72,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batch 8 at contexts 64 and 2000, 8 steps")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--machine", default="cpu-2core", help="results subfolder name")
+    parser.add_argument(
+        "--decode-only", action="store_true", help="reuse the artifacts and export times of the last run (its JSON)"
+    )
     args = parser.parse_args()
     if args.worker:
         _worker(json.loads(args.worker))
@@ -121,11 +87,11 @@ def main() -> None:
     cases, steps = (QUICK_CASES, 8) if args.quick else (CASES, args.steps)
     model_dir = str(convert_smollm2(default_smollm2_dir("fp32"), dtype="fp32"))
     batches = sorted({batch for batch, _ in cases})
-    exports: dict[tuple[str, int], float] = {}
+    exports = _recorded_exports(args.machine) if args.decode_only else {}
     rows: list[tuple[int, int, dict[str, float]]] = []
     with Progress() as progress:
         task = progress.add_task("kv buckets", total=2 * len(batches) + 3 * len(cases))
-        for batch in batches:
+        for batch in batches if not args.decode_only else []:
             for buckets in ("none", "auto"):
                 progress.update(task, description=f"export batch {batch} kv_buckets={buckets}")
                 with tempfile.TemporaryDirectory() as inductor:
@@ -146,9 +112,22 @@ def main() -> None:
     write_report(args.machine, exports, rows, steps)
 
 
+def _recorded_exports(machine: str) -> dict[tuple[str, int], float]:
+    """The export times of the last full run (``kv_buckets.json``)."""
+    body = json.loads((RESULTS / machine / "kv_buckets.json").read_text())
+    return {(e["buckets"], e["batch"]): e["seconds"] for e in body["exports"]}
+
+
 def write_report(machine: str, exports: dict[tuple[str, int], float], rows: list, steps: int) -> None:
-    """Markdown tables under benchmark/results/<machine>/kv_buckets.md."""
+    """Markdown tables (and their JSON) under benchmark/results/<machine>/kv_buckets.{md,json}."""
     info = describe()
+    body = {
+        "exports": [{"buckets": k, "batch": b, "seconds": v} for (k, b), v in exports.items()],
+        "decode": [{"batch": b, "context": c, **row} for b, c, row in rows],
+        "machine": info,
+    }
+    (RESULTS / machine).mkdir(parents=True, exist_ok=True)
+    (RESULTS / machine / "kv_buckets.json").write_text(json.dumps(body, indent=1))
     lines = [
         "# KV-length buckets: SmolLM2-135M-Instruct, fp32, inductor",
         "",
@@ -156,7 +135,7 @@ def write_report(machine: str, exports: dict[tuple[str, int], float], rows: list
         f"256, 512, 1024, 2048; median of {steps} decode steps after 3 warm-up, every slot at the given context; "
         "each point in a fresh process, the three of a point back to back).",
         "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + f"; load average {os.getloadavg()[0]:.2f}.",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + " (1-minute load when the run ended).",
         "",
         "| batch | context | transformers eager ms/step | `none` ms/step | `auto` ms/step | auto / none "
         "| auto / transformers |",
