@@ -29,6 +29,16 @@ class Server:
         with urllib.request.urlopen(self.base + path, timeout=REQUEST_SECONDS) as response:
             return json.loads(response.read())
 
+    def get_status(self, path: str) -> int:
+        """HTTP status of a GET (an unreachable server: 0)."""
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=REQUEST_SECONDS) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as err:
+            return err.code
+        except OSError:
+            return 0
+
     def post(self, path: str, body: dict[str, Any]) -> Any:
         with urllib.request.urlopen(self._request(path, body), timeout=REQUEST_SECONDS) as response:
             return json.loads(response.read())

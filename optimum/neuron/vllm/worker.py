@@ -117,6 +117,12 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         out = self.runner.execute(step, grammar_output)
         return compat.runner_output(out.req_ids, out.sampled, out.logprobs, out.prompt_logprobs)
 
+    def execute_dummy_batch(self) -> None:
+        """Nothing to run. Under data parallelism vLLM keeps the replicas of an MoE model in lockstep and calls this on
+        a replica with no scheduled work while another one steps (vLLM's GPU worker runs a forward pass there so its
+        expert-parallel collectives match); an artifact's graphs hold no collective across replicas, so an idle replica
+        has nothing to join. Without this method the call fails and that replica's engine core dies."""
+
     def take_draft_token_ids(self) -> None:
         """No speculative decoding."""
         return None

@@ -1,0 +1,69 @@
+"""Scaling out through vLLM's own executors: data parallelism (``vllm serve --data-parallel-size 2``: two engine
+replicas of one artifact, load-balanced by vLLM's front end). Each test runs in a fresh interpreter."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fixtures.llm.models import export_fixture, tiny_model
+from tests.utils import subprocess_test
+from tests.vllm.server import Server, vllm_serve
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+NEW_TOKENS = 6
+
+
+def prompts(count: int) -> list[list[int]]:
+    """``count`` random prompts of 3 to 19 tokens (fixed seed): some fit one chunk, some span several."""
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 256, (3 + 3 * i,), generator=gen).tolist() for i in range(count)]
+
+
+def finished_per_engine(server: Server) -> Counter[str]:
+    """Requests each engine replica finished, from vLLM's Prometheus ``/metrics`` (label ``engine``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.base + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    counts: Counter[str] = Counter()
+    for match in re.finditer(r"^vllm:request_success_total\{([^}]*)\} ([0-9.e+]+)$", text, re.MULTILINE):
+        engine = re.search(r'engine="(\d+)"', match.group(1))
+        if engine:
+            counts[engine.group(1)] += int(float(match.group(2)))
+    return counts
+
+
+@subprocess_test
+def test_data_parallel_server_equals_transformers_on_both_replicas(tmp_path: Path) -> None:
+    """qwen3_moe: vLLM runs the replicas of an MoE model in lockstep, and a replica with nothing scheduled runs
+    the worker's ``execute_dummy_batch`` while the other steps (the path a dense model never takes)."""
+    from tests.fixtures.llm.reference import hf_greedy
+
+    family = "qwen3_moe"
+    artifact = export_fixture(f"{family}-2x4x8-eager")
+    asked = prompts(6)
+    want = [hf_greedy(tiny_model(family), ids, NEW_TOKENS) for ids in asked]
+    flags = ("--data-parallel-size", "2")
+    with vllm_serve(artifact, tmp_path / "serve.log", *flags) as server:
+        name = server.get("/v1/models")["data"][0]["id"]
+        greedy = {"model": name, "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+
+        def complete(ids: list[int]) -> list[int]:
+            body = {**greedy, "prompt": ids, "return_token_ids": True}
+            return server.post("/v1/completions", body)["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(len(asked)) as pool:
+            got = list(pool.map(complete, asked))
+        alone = [complete(ids) for ids in asked[:2]]  # one at a time: the other replica idles in lockstep
+        served = finished_per_engine(server)
+        health = server.get_status("/health")
+    assert got == want, "DP=2 greedy tokens differ from transformers'"
+    assert alone == want[:2], "requests sent alone differ"
+    assert sorted(served) == ["0", "1"] and sum(served.values()) == len(asked) + 2, f"requests per replica: {served}"
+    assert health == 200, "a replica died (an idle MoE replica calls the worker's execute_dummy_batch)"
