@@ -30,6 +30,7 @@ from .errors import ArtifactError
 from .graphs import graph_specs
 from .models.base import StaticDecoder, attention_dims
 from .models.layers.kv_cache import allocate_kv_cache
+from .models.layers.parallel import rank_config, shard_weights
 from .models.registry import build_decoder, language_config
 from .weights import bind_weights
 
@@ -120,8 +121,9 @@ class Artifact:
             raise ArtifactError(f"graph file {path} does not match its recorded hash (corrupt); re-export the model.")
         return path
 
-    def load_weights(self, device: str | torch.device) -> dict[str, torch.Tensor]:
-        """The weight set, checked against the signature the graphs were compiled with."""
+    def load_weights(self, device: str | torch.device, rank: int = 0) -> dict[str, torch.Tensor]:
+        """The weight set, checked against the signature the graphs were compiled with; for a tensor-parallel
+        artifact, tensor-parallel rank ``rank``'s slice of it (`rank_weights`)."""
         path = self.root / WEIGHTS_FILE
         try:
             weights = load_file(str(path))
@@ -132,6 +134,7 @@ class Artifact:
                 f"{path} does not match the weights the graphs were compiled with (names, shapes or dtypes "
                 "differ); re-export the model."
             )
+        weights = rank_weights(self.hf_config(), self.config, weights, rank)
         return {name: tensor.to(device) for name, tensor in weights.items()}
 
 
@@ -167,9 +170,20 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def empty_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
-    """The static decoder of ``hf_config`` under ``config`` on the meta device: names and shapes, no memory."""
+    """The static decoder of ``hf_config`` under ``config`` on the meta device: names and shapes, no memory (one
+    tensor-parallel rank's when ``config.tp_degree > 1``)."""
     with torch.device("meta"):
-        return build_decoder(hf_config, config.sequence_length, config.max_topk)
+        return build_decoder(hf_config, config.sequence_length, config.max_topk, config.tp_degree)
+
+
+def rank_weights(
+    hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tensor], rank: int
+) -> dict[str, torch.Tensor]:
+    """Tensor-parallel rank ``rank``'s slice of the full weight set (the set itself at ``tp_degree == 1``): the
+    artifact stores the weights once, each rank slices its part when it loads them."""
+    if not 0 <= rank < config.tp_degree:
+        raise ArtifactError(f"rank {rank} does not exist in an artifact of tp_degree={config.tp_degree}.")
+    return weights if config.tp_degree == 1 else shard_weights(weights, hf_config, config.tp_degree, rank)
 
 
 def assemble(hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tensor]) -> StaticDecoder:
@@ -181,8 +195,10 @@ def assemble(hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tens
 
 def allocate_cache(hf_config: Any, config: NeuronConfig, device: str | torch.device) -> list[torch.Tensor]:
     """The one KV cache of an artifact: K and V per layer, ``[batch_size, kv_heads, sequence_length, head_dim]`` (of
-    the language decoder, for an image-text model)."""
+    the language decoder, for an image-text model; a tensor-parallel rank's: its KV heads only)."""
     hf_config = language_config(hf_config)
+    if config.tp_degree > 1:
+        hf_config = rank_config(hf_config, config.tp_degree)
     dims = attention_dims(hf_config)
     return allocate_kv_cache(
         hf_config.num_hidden_layers,

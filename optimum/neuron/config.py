@@ -42,7 +42,10 @@ class NeuronConfig:
     """0 compiles a context-encoding graph ``[1, sequence_length]``; C > 0 a chunked-prefill graph
     ``[1, C]`` that prefills long prompts C tokens at a time instead."""
     tp_degree: int = 1
-    """Tensor-parallel degree. Only 1 is implemented."""
+    """Tensor-parallel degree: the graphs of one rank of N (Megatron layout: attention heads, KV heads and the MLP
+    split over the ranks, one all-reduce after the attention and one after the MLP), the same graph for every rank,
+    each rank slicing its part of the one weight set at load. Served by vLLM with one worker process per rank
+    (docs/parallelism.md)."""
     auto_cast_type: str = "fp32"
     """Weights, activations and KV-cache dtype: one of ``fp32``, ``bf16``, ``fp16``."""
     on_device_sampling: bool = True
@@ -218,9 +221,11 @@ def _positive(config: NeuronConfig, name: str) -> None:
 def _check_shapes(config: NeuronConfig) -> None:
     for name in ("batch_size", "sequence_length", "max_topk"):
         _positive(config, name)
-    if config.tp_degree != 1:
+    _positive(config, "tp_degree")
+    if config.tp_degree > 1 and config.backend not in ("eager", "inductor"):
         raise IncompatibleConfigError(
-            f"tensor parallelism is not implemented (tp_degree={config.tp_degree}); export with {flag('tp_degree')} 1."
+            f"tensor parallelism is implemented for the eager and inductor backends, not {config.backend!r}: export "
+            f"with {flag('tp_degree')} 1 or --backend inductor (docs/parallelism.md)."
         )
 
 

@@ -37,10 +37,11 @@ FILLS = (1, 2, 5, CHUNK - 1)  # real tokens in the padded chunk
 
 
 class Setup:
-    """The shipped engine of one (backend, dtype) case, with a placeholder sequence holding slot 0."""
+    """The shipped engine of one (backend, dtype) case (or a given engine), with a placeholder sequence holding
+    slot 0."""
 
-    def __init__(self, backend: str, dtype: str, family: str = FAMILY) -> None:
-        self.engine = Engine(Artifact.open(dtype_fixture(family, backend, dtype)))
+    def __init__(self, backend: str, dtype: str, family: str = FAMILY, engine: Engine | None = None) -> None:
+        self.engine = engine or Engine(Artifact.open(dtype_fixture(family, backend, dtype)))
         self.engine.admit("placeholder", [3], GREEDY)  # holds slot 0, never stepped
         prompt = torch.randint(3, 256, (2 * CHUNK,), generator=torch.Generator().manual_seed(5)).tolist()
         self.first, self.second = prompt[:CHUNK], prompt[CHUNK:]
@@ -92,7 +93,16 @@ def unchanged_outside(before: list[torch.Tensor], after: list[torch.Tensor], fir
 def check_padded_chunk_writes(backend: str, dtype: str, family: str = FAMILY) -> None:
     """The shipped graph writes only the real rows (bitwise as the same tokens in a full chunk do) and,
     for its padded columns, the scratch row."""
-    case = setup(backend, dtype, family)
+    _check_padded_chunk_writes(setup(backend, dtype, family))
+
+
+def check_padded_chunk_writes_on(engine: Engine) -> None:
+    """`check_padded_chunk_writes` on an engine of a chunked artifact with ``C = CHUNK``, ``S = SEQUENCE_LENGTH`` (a
+    tensor-parallel rank's: its own heads of the cache), its slots free; it ends holding two sequences."""
+    _check_padded_chunk_writes(Setup("", "", engine=engine))
+
+
+def _check_padded_chunk_writes(case: Setup) -> None:
     for fill in FILLS:
         before, padded = case.shipped(case.second[:fill], seed=fill)
         assert unchanged_outside(before, padded, START, START + fill), (

@@ -22,6 +22,7 @@ from ...neuron.artifact import (
     assemble,
     empty_decoder,
     graph_file,
+    rank_weights,
     sha256_of,
     write_manifest,
 )
@@ -35,6 +36,7 @@ from ...neuron.models.registry import image_text_family, language_config, served
 from ...neuron.progress import StepProgress
 from ...neuron.weights import constants_of, map_state_dict, read_checkpoint
 from .cache import cache_lock, cache_root, code_fingerprint
+from .parallel import tracing_group
 
 _HF_FILES = (
     "tokenizer.json",
@@ -127,7 +129,9 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, device: str | torch
     config = fit_images(config, image_text_family(hf_config), hf_config, model_dir)
     specs = graph_specs(config)
     (out / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
-    with StepProgress(f"export {model_dir.name} ({config.backend}, {config.device})", 2 + len(specs)) as bar:
+    ranks = f", {config.tp_degree} tensor-parallel ranks" if config.tp_degree > 1 else ""
+    title = f"export {model_dir.name} ({config.backend}, {config.device}{ranks})"
+    with StepProgress(title, 2 + len(specs)) as bar, tracing_group(config.tp_degree):
         with bar.step("load checkpoint"):
             decoder, weights = load_decoder(hf_config, model_dir, config, device)
             kv_cache = allocate_cache(hf_config, config, device)
@@ -164,11 +168,13 @@ def load_decoder(
     hf_config: Any, model_dir: Path, config: NeuronConfig, device: str | torch.device | None = None
 ) -> tuple[StaticDecoder, dict]:
     """The static decoder of ``model_dir`` with its strictly mapped weights, on ``device`` (default
-    ``config.device``; the xla backend passes its XLA device, see `Backend.placement`)."""
-    layout = empty_decoder(hf_config, config)
+    ``config.device``; the xla backend passes its XLA device, see `Backend.placement`). The weights are the full
+    set (what the artifact stores); at ``tp_degree > 1`` the decoder is rank 0's, bound to its slice of them (every
+    rank runs the same graph)."""
+    layout = empty_decoder(hf_config, config.derive(tp_degree=1))
     params = map_state_dict(layout, read_checkpoint(model_dir), config.torch_dtype)
     weights = {k: v.to(device or config.device) for k, v in constants_of(layout, params).items()}
-    return assemble(hf_config, config, weights), weights
+    return assemble(hf_config, config, rank_weights(hf_config, config, weights, 0)), weights
 
 
 def _example_inputs(spec: GraphSpec, hf_config: Any, config: NeuronConfig) -> dict[str, torch.Tensor]:

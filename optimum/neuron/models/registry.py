@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import UnsupportedModelError
+from ..errors import IncompatibleConfigError, UnsupportedModelError
 from .base import StaticDecoder
 from .family import Family
 from .gemma3 import GEMMA3, GEMMA3_MULTIMODAL
 from .idefics3 import IDEFICS3
 from .image_text import ImageTextDecoder, ImageTextFamily
+from .layers.parallel import check_tensor_parallel, make_row_parallel, rank_config
 from .llama import LLAMA
 from .mistral import MISTRAL
 from .phi3 import PHI3
@@ -62,10 +63,16 @@ def served_config(hf_config: Any) -> Any:
     return family.text_config(hf_config) if family.text_config else hf_config
 
 
-def build_decoder(hf_config: Any, sequence_length: int, max_topk: int) -> StaticDecoder:
-    """An uninitialized static decoder for ``hf_config`` (weights are loaded separately)."""
+def build_decoder(hf_config: Any, sequence_length: int, max_topk: int, tp_degree: int = 1) -> StaticDecoder:
+    """An uninitialized static decoder for ``hf_config`` (weights are loaded separately); for ``tp_degree > 1``
+    the decoder of one tensor-parallel rank (`layers.parallel`: one rank's heads and intermediate size, o/down
+    projections followed by an all-reduce)."""
     image_family = image_text_family(hf_config)
     if image_family is not None:
+        if tp_degree > 1:
+            raise IncompatibleConfigError(
+                "tensor parallelism is not implemented for image-text models: export with --tensor_parallel_size 1."
+            )
         language = image_family.language_config(hf_config)
         family = family_for(language)
         family.check(language, sequence_length)
@@ -73,4 +80,9 @@ def build_decoder(hf_config: Any, sequence_length: int, max_topk: int) -> Static
     hf_config = served_config(hf_config)
     family = family_for(hf_config)
     family.check(hf_config, sequence_length)
-    return StaticDecoder(family, hf_config, max_topk)
+    if tp_degree == 1:
+        return StaticDecoder(family, hf_config, max_topk)
+    check_tensor_parallel(family, hf_config, tp_degree)
+    decoder = StaticDecoder(family, rank_config(hf_config, tp_degree), max_topk)
+    make_row_parallel(decoder)
+    return decoder

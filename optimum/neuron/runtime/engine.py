@@ -33,6 +33,7 @@ from ..models.registry import image_text_family, language_config
 from .images import ImageInput, ImageLimits, SequenceImages, check_images
 from .logprobs import PromptScorer, token_logprobs
 from .padding import decode_rows, pad_chunk, pad_image_rows, pad_tiles, split_chunks
+from .parallel import tensor_parallel_rank
 from .sampling import HostSampler, SamplingParams, SequenceSampler, sample_on_host, sampling_tensors
 from .sequence import SeqId, Sequence, StepResult
 from .slots import SlotTable
@@ -53,9 +54,11 @@ class Engine:
         """The model's transformers config (an image-text model's whole config)."""
         self.hf_config = language_config(self.model_config)
         """The language decoder's transformers config (vocabulary, layers)."""
+        self.rank = tensor_parallel_rank(self.config)
+        """This process's tensor-parallel rank (0 for a single-rank artifact): the weights and KV heads it holds."""
         backend = get_backend(self.config.backend)
         self.device = backend.placement(self.config.device)
-        self.weights = artifact.load_weights(self.device)
+        self.weights = artifact.load_weights(self.device, self.rank)
         self.kv_cache = allocate_cache(self.hf_config, self.config, self.device)
         self.slots = SlotTable(self.config.batch_size)
         self._sequences: dict[SeqId, Sequence] = {}
