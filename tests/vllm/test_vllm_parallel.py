@@ -1,5 +1,7 @@
 """Scaling out through vLLM's own executors: data parallelism (``vllm serve --data-parallel-size 2``: two engine
-replicas of one artifact, load-balanced by vLLM's front end). Each test runs in a fresh interpreter."""
+replicas of one artifact, load-balanced by vLLM's front end) and tensor parallelism (a ``-tp2`` artifact: vLLM's
+multiprocess executor starts one worker per rank, the degree read from the artifact). Each test runs in a fresh
+interpreter."""
 
 from __future__ import annotations
 
@@ -37,6 +39,62 @@ def finished_per_engine(server: Server) -> Counter[str]:
         if engine:
             counts[engine.group(1)] += int(float(match.group(2)))
     return counts
+
+
+SEEDED = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 11}
+
+
+def tp_reference(name: str, asked: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """transformers' greedy tokens of each prompt, and our seeded rule's tokens for the first one."""
+    from optimum.neuron.runtime.sampling import SamplingParams
+    from tests.fixtures.llm.models import EXPORT_FIXTURES
+    from tests.fixtures.llm.reference import hf_greedy, hf_sampled
+
+    model = EXPORT_FIXTURES[name].model()
+    seeded = hf_sampled(model, asked[0], NEW_TOKENS, SamplingParams(do_sample=True, **SEEDED), 256)
+    return [hf_greedy(model, ids, NEW_TOKENS) for ids in asked], seeded
+
+
+@subprocess_test
+def test_tensor_parallel_offline_equals_transformers() -> None:
+    """``vllm.LLM`` on 2-rank artifacts, chunked and context encoding (one KV head, replicated on both ranks)."""
+    from vllm import LLM, SamplingParams
+
+    asked = prompts(4)
+    for name in ("llama-2x4x8-kv1-tp2-eager", "llama-2x1x32-ce-kv1-tp2-eager"):
+        want, want_seeded = tp_reference(name, asked)
+        llm = LLM(model=str(export_fixture(name)), seed=0)
+        greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in asked], greedy, use_tqdm=False)
+        seeded = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, **SEEDED)
+        sampled = llm.generate([{"prompt_token_ids": asked[0]}], seeded, use_tqdm=False)[0].outputs[0].token_ids
+        llm.llm_engine.engine_core.shutdown()
+        assert [list(o.outputs[0].token_ids) for o in outputs] == want, f"{name}: greedy tokens"
+        assert list(sampled) == want_seeded, f"{name}: seeded tokens"
+
+
+@subprocess_test
+def test_tensor_parallel_server_equals_transformers(tmp_path: Path) -> None:
+    """``vllm serve`` of the 2-rank inductor artifact: concurrent greedy requests and a seeded one."""
+    name = "llama-2x4x8-kv1-tp2-inductor"
+    artifact = export_fixture(name)
+    asked = prompts(4)
+    want, want_seeded = tp_reference(name, asked)
+    with vllm_serve(artifact, tmp_path / "serve.log") as server:
+        model = server.get("/v1/models")["data"][0]["id"]
+        base = {"model": model, "max_tokens": NEW_TOKENS, "ignore_eos": True, "return_token_ids": True}
+
+        def complete(ids: list[int], **params: object) -> list[int]:
+            body = {**base, "prompt": ids, "temperature": 0.0, **params}
+            return server.post("/v1/completions", body)["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(len(asked)) as pool:
+            got = list(pool.map(complete, asked))
+        seeded = complete(asked[0], **SEEDED)
+    assert got == want, "greedy tokens"
+    assert seeded == want_seeded, "seeded tokens"
+    log = (tmp_path / "serve.log").read_text()
+    assert "(rank 0 of 2)" in log and "(rank 1 of 2)" in log, "one worker per rank"
 
 
 @subprocess_test

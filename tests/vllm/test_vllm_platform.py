@@ -36,7 +36,8 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     refusals = [
         ({"max_num_seqs": 3}, ["max_num_seqs=3", "batch_size=2", "--batch_size"]),
         ({"max_model_len": 64}, ["max_model_len=64", "sequence_length=32", "--sequence_length"]),
-        ({"tensor_parallel_size": 2}, ["tensor_parallel_size=1"]),
+        ({"tensor_parallel_size": 2}, ["--tensor-parallel-size 2", "1 tensor-parallel", "--tensor_parallel_size 2"]),
+        ({"pipeline_parallel_size": 2}, ["pipeline parallelism", "--pipeline-parallel-size"]),
     ]
     for kwargs, fragments in refusals:
         with pytest.raises(Exception) as info:
@@ -44,6 +45,13 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
         text = "".join(str(e) for e in _chain(info.value))
         for fragment in fragments:
             assert fragment in text, (kwargs, text)
+    tp2 = export_fixture("llama-2x4x8-kv1-tp2-eager")
+    parallel = engine_config(tp2).parallel_config  # the degree comes from the artifact
+    assert (parallel.tensor_parallel_size, parallel.world_size, parallel.distributed_executor_backend) == (2, 2, "mp")
+    assert engine_config(tp2, tensor_parallel_size=2).parallel_config.world_size == 2
+    with pytest.raises(Exception) as info:
+        engine_config(tp2, tensor_parallel_size=4)
+    assert "--tensor_parallel_size 4" in "".join(str(e) for e in _chain(info.value))
     folder = tmp_path / "plain"
     folder.mkdir()
     (folder / "config.json").write_text((chunked / "config.json").read_text())

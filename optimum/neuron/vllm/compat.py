@@ -211,6 +211,38 @@ def disable_graph_capture(vllm_config: Any) -> None:
     vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
 
 
+def set_tensor_parallel(parallel_config: Any, degree: int) -> None:
+    """Make vLLM start ``degree`` workers, one per tensor-parallel rank (``ParallelConfig``: its world size is
+    derived when it is built, before the platform sees it; one process needs the multiprocess executor). CPU
+    platforms bind each worker's OpenMP threads to its own NUMA node by default, which fails on a one-node host:
+    unless the user chose a binding (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0|1"``), the workers are not bound."""
+    import os
+
+    parallel_config.tensor_parallel_size = degree
+    parallel_config.world_size = (
+        parallel_config.pipeline_parallel_size * degree * parallel_config.prefill_context_parallel_size
+    )
+    if degree > 1:
+        if parallel_config.distributed_executor_backend in (None, "uni"):
+            parallel_config.distributed_executor_backend = "mp"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def init_worker_group(worker: Any) -> None:
+    """Join vLLM's torch.distributed groups from a worker (``init_worker_distributed_environment``, the platform's
+    gloo backend): the default group a tensor-parallel graph all-reduces over holds this engine's ranks."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+    init_worker_distributed_environment(
+        worker.vllm_config,
+        worker.rank,
+        worker.distributed_init_method,
+        worker.local_rank,
+        current_platform.dist_backend,
+    )
+
+
 def platform_base() -> tuple[type, Any]:
     """``(Platform, PlatformEnum)`` of vLLM."""
     from vllm.platforms.interface import Platform, PlatformEnum

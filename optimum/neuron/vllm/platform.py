@@ -53,6 +53,24 @@ def resolve_limits(vllm_config: Any, neuron: NeuronConfig) -> None:
     sched.verify_max_model_len(model.max_model_len)
 
 
+def fit_parallelism(parallel_config: Any, neuron: NeuronConfig) -> None:
+    """Run one worker per tensor-parallel rank of the artifact: the degree comes from the artifact, a different
+    ``--tensor-parallel-size`` (other than vLLM's default 1) is refused, and so is pipeline parallelism."""
+    asked = parallel_config.tensor_parallel_size
+    if asked not in (1, neuron.tp_degree):
+        raise IncompatibleConfigError(
+            f"--tensor-parallel-size {asked} does not match the artifact, exported for {neuron.tp_degree} "
+            f"tensor-parallel rank(s): drop --tensor-parallel-size (it is read from the artifact) or re-export with "
+            f"{flag('tp_degree')} {asked}."
+        )
+    if parallel_config.pipeline_parallel_size != 1:
+        raise IncompatibleConfigError(
+            "optimum-neuronx does not implement pipeline parallelism: drop --pipeline-parallel-size (scale with "
+            f"{flag('tp_degree')} at export and --data-parallel-size at serve time)."
+        )
+    compat.set_tensor_parallel(parallel_config, neuron.tp_degree)
+
+
 def check_sampling_config(model_config: Any) -> None:
     """Refuse engine-wide sampling options the plugin does not implement: logprobs other than vLLM's default raw
     logprobs, and custom logits processors."""
@@ -73,7 +91,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
     device, so serving a CUDA artifact is neither written nor run: docs/cuda.md)."""
 
     _enum = _PlatformEnum.OOT
-    device_name = "optimum-neuronx"
+    device_name = "cpu"  # vLLM's process groups place their tensors on torch.device(f"{device_name}:{rank}")
     device_type = "cpu"
     dispatch_key = "CPU"
     dist_backend = "gloo"
@@ -125,11 +143,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         if vllm_config.model_config is None:
             return
         neuron = read_config(vllm_config.model_config.model)
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise IncompatibleConfigError(
-                "optimum-neuronx serves with tensor_parallel_size=1 only: drop --tensor-parallel-size "
-                f"(the artifact was exported with {flag('tp_degree')} {neuron.tp_degree})."
-            )
+        fit_parallelism(vllm_config.parallel_config, neuron)
         check_sampling_config(vllm_config.model_config)
         vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
         # Start the engine core by spawn, as vLLM's CPU platform does: a process forked after torch ran
@@ -146,12 +160,13 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         vllm_config.cache_config.block_size = vllm_config.model_config.max_model_len
         self.served = neuron
         logger.info(
-            "optimum-neuronx: %s (batch_size=%d, sequence_length=%d, prefill_chunk_size=%d) -> max_num_seqs=%d, "
-            "max_model_len=%d, max_num_batched_tokens=%d, chunked_prefill=%s",
+            "optimum-neuronx: %s (batch_size=%d, sequence_length=%d, prefill_chunk_size=%d, tp_degree=%d) -> "
+            "max_num_seqs=%d, max_model_len=%d, max_num_batched_tokens=%d, chunked_prefill=%s",
             vllm_config.model_config.model,
             neuron.batch_size,
             neuron.sequence_length,
             neuron.prefill_chunk_size,
+            neuron.tp_degree,
             vllm_config.scheduler_config.max_num_seqs,
             vllm_config.model_config.max_model_len,
             vllm_config.scheduler_config.max_num_batched_tokens,

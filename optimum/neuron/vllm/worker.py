@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Any
 
+import torch
+
 from ..artifact import Artifact
 from ..modeling import NeuronModelForCausalLM
 from ..runtime.engine import Engine
@@ -32,7 +34,13 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
     # --- lifetime ---------------------------------------------------------------------------
 
     def init_device(self) -> None:
-        """Nothing to initialise: the engine places its tensors when the model loads."""
+        """Join this engine's process group when it has several workers (one per tensor-parallel rank), and seed
+        torch with the engine's seed as vLLM's own workers do: every rank then draws the same seeds for unseeded
+        requests, so all ranks sample the same tokens. The engine places its tensors when the model loads."""
+        if self.parallel_config.world_size > 1:
+            compat.init_worker_group(self)
+        if self.model_config.seed is not None:
+            torch.manual_seed(self.model_config.seed)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         """Open the artifact (``--model``), load weights, graphs and the KV cache once."""
@@ -41,9 +49,11 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         self.runner = Runner(engine)
         c = artifact.config
         logger.info(
-            "optimum-neuronx serving %s: backend=%s device=%s graphs=%s batch_size=%d sequence_length=%d "
-            "prefill_chunk_size=%d kv_windows=%s on_device_sampling=%s",
+            "optimum-neuronx serving %s (rank %d of %d): backend=%s device=%s graphs=%s batch_size=%d "
+            "sequence_length=%d prefill_chunk_size=%d kv_windows=%s on_device_sampling=%s",
             artifact.root,
+            engine.rank,
+            c.tp_degree,
             c.backend,
             c.device,
             list(engine.graphs),
