@@ -134,7 +134,8 @@ class Artifact:
                 f"{path} does not match the weights the graphs were compiled with (names, shapes or dtypes "
                 "differ); re-export the model."
             )
-        weights = rank_weights(self.hf_config(), self.config, weights, rank)
+        hf_config = self.hf_config() if self.config.tp_degree > 1 else None  # only a rank's slice needs its shapes
+        weights = rank_weights(hf_config, self.config, weights, rank)
         return {name: tensor.to(device) for name, tensor in weights.items()}
 
 
@@ -179,8 +180,8 @@ def empty_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
 def rank_weights(
     hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tensor], rank: int
 ) -> dict[str, torch.Tensor]:
-    """Tensor-parallel rank ``rank``'s slice of the full weight set (the set itself at ``tp_degree == 1``): the
-    artifact stores the weights once, each rank slices its part when it loads them."""
+    """Tensor-parallel rank ``rank``'s slice of the full weight set (the set itself at ``tp_degree == 1``, where
+    ``hf_config`` is not read): the artifact stores the weights once, each rank slices its part when it loads them."""
     if not 0 <= rank < config.tp_degree:
         raise ArtifactError(f"rank {rank} does not exist in an artifact of tp_degree={config.tp_degree}.")
     return weights if config.tp_degree == 1 else shard_weights(weights, hf_config, config.tp_degree, rank)
