@@ -84,7 +84,7 @@ def unknown_arch(tmp_path: Path, model_type: str) -> str:
 
 
 BAD_INPUTS = [
-    ("optimum-cli", ["--tensor_parallel_size", "3"], ["num_attention_heads=4", "3 ranks", "--tensor_parallel_size"]),
+    ("optimum-cli", ["--tensor_parallel_size", "3"], ["intermediate_size=128", "3 ranks", "--tensor_parallel_size"]),
     ("main()", ["--tensor_parallel_size", "2", "--backend", "xla"], ["eager and inductor", "size 1"]),
     ("main()", ["--prefill_chunk_size", "64"], ["prefill_chunk_size=64", "--prefill_chunk_size"]),
     ("optimum-cli", ["--prefill_chunk_size", "-8"], ["prefill_chunk_size=-8", "--prefill_chunk_size"]),

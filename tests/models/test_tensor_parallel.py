@@ -48,32 +48,48 @@ def rank_run(name: str) -> dict:
     return {"greedy": greedy, "seeded": seeded, "kv_heads": heads}
 
 
-ENGINE_FIXTURES = ("llama-2x4x8-kv1-tp2-eager", "qwen3-2x4x8-tp2-eager")
-"""KV heads replicated (llama, one KV head) and split (qwen3, with q/k norm). The context-encoding and inductor `-tp2`
-fixtures run through vLLM (`tests/vllm/test_vllm_parallel.py`); here too with ``OPTIMUM_NEURON_TP_ALL=1`` (CI's time
-budget keeps them out of ``make test``: 100 s more)."""
+def ranks_run(names: list[str]) -> dict[str, dict]:
+    """`rank_run` of each fixture in turn, on one rank (one spawn of the ranks for all of them)."""
+    return {name: rank_run(name) for name in names}
+
+
+ENGINE_FIXTURES = tuple(f.name for f in TP_FIXTURES if f.backend == "eager" and f.chunked)
+"""Every family, chunked, on eager: KV heads replicated (llama, one KV head), split (the others) and padded (llama
+with 6 / 3 heads). The context-encoding and inductor `-tp2` fixtures run through vLLM
+(`tests/vllm/test_vllm_parallel.py`); here too with ``OPTIMUM_NEURON_TP_ALL=1`` (CI's time budget keeps them out
+of ``make test``)."""
+
+
+def _mismatches(name: str, result: dict) -> list[str]:
+    """What of one fixture's rank-0 result differs from transformers (greedy, seeded) and from the layout."""
+    from transformers import AutoConfig
+
+    from optimum.neuron.models.layers.parallel import head_layout
+    from tests.fixtures.llm.reference import hf_greedy, hf_sampled
+
+    model = EXPORT_FIXTURES[name].model()
+    wrong = [
+        f"{name}: greedy, prompt of {n}" for n, t in result["greedy"].items() if t != hf_greedy(model, prompt(n), NEW)
+    ]
+    wrong += [
+        f"{name}: seeded, prompt of {n}"
+        for n, t in result["seeded"].items()
+        if t != hf_sampled(model, prompt(n), NEW, SEEDED, 256)
+    ]
+    if result["kv_heads"] != head_layout(AutoConfig.from_pretrained(model), 2).rank_kv_heads:
+        wrong.append(f"{name}: a rank's cache holds {result['kv_heads']} KV heads")
+    return wrong
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name", [f.name for f in TP_FIXTURES] if os.environ.get("OPTIMUM_NEURON_TP_ALL") == "1" else ENGINE_FIXTURES
-)
-def test_two_ranks_equal_transformers(name: str, tmp_path: Path) -> None:
-    from tests.fixtures.llm.reference import hf_greedy, hf_sampled
-
-    fixture = EXPORT_FIXTURES[name]
-    export_fixture(name)  # built once here, not by both ranks
-    ranks = run_on_ranks(2, rank_run, name, tmp=tmp_path)
+def test_two_ranks_equal_transformers(tmp_path: Path) -> None:
+    names = [f.name for f in TP_FIXTURES] if os.environ.get("OPTIMUM_NEURON_TP_ALL") == "1" else list(ENGINE_FIXTURES)
+    for name in names:
+        export_fixture(name)  # built once here, not by both ranks
+    ranks = run_on_ranks(2, ranks_run, names, tmp=tmp_path)
     assert ranks[0] == ranks[1], "the ranks returned different tokens"
-    model = fixture.model()
-    for length, tokens in ranks[0]["greedy"].items():
-        assert tokens == hf_greedy(model, prompt(length), NEW), f"greedy, prompt of {length}"
-    for length, tokens in ranks[0]["seeded"].items():
-        assert tokens == hf_sampled(model, prompt(length), NEW, SEEDED, 256), f"seeded, prompt of {length}"
-    from transformers import AutoConfig
-
-    kv_heads = AutoConfig.from_pretrained(model).num_key_value_heads
-    assert ranks[0]["kv_heads"] == max(kv_heads // 2, 1), "each rank's cache holds its own KV heads"
+    wrong = [w for name in names for w in _mismatches(name, ranks[0][name])]
+    assert not wrong, wrong
 
 
 def test_rank_layout_splits_and_replicates() -> None:
@@ -124,19 +140,85 @@ def test_rank_layout_splits_and_replicates() -> None:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "message"),
+    ("heads", "kv_heads", "degree", "padded", "per_rank"),
     [
-        ({"hidden_size": 96, "num_attention_heads": 3, "num_key_value_heads": 3}, "num_attention_heads=3"),
-        ({"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}, "num_key_value_heads=3"),
-        ({"intermediate_size": 129}, "intermediate_size=129"),
+        (9, 3, 2, (12, 4), (6, 2)),  # SmolLM2: KV heads padded to 4, each group of 3 stays whole
+        (9, 3, 3, (9, 3), (3, 1)),  # splits: nothing padded
+        (3, 1, 2, (4, 1), (2, 1)),  # one KV head replicated on both ranks, its group padded to 4
+        (8, 2, 4, (8, 2), (2, 1)),  # each KV head on two ranks
+        (6, 3, 4, (8, 4), (2, 1)),  # 3 KV heads over 4 ranks: padded to 4 rather than replicated
     ],
 )
-def test_export_refuses_configs_that_do_not_split(overrides: dict, message: str) -> None:
+def test_head_layout_pads_heads_that_do_not_split(
+    heads: int, kv_heads: int, degree: int, padded: tuple[int, int], per_rank: tuple[int, int]
+) -> None:
+    from optimum.neuron.models.layers.parallel import HeadLayout
+
+    layout = HeadLayout(heads, kv_heads, 2, degree)
+    assert (layout.padded_heads, layout.padded_kv_heads) == padded
+    assert (layout.rank_heads, layout.rank_kv_heads) == per_rank
+    q = torch.arange(1.0, heads * 2 + 1).reshape(heads * 2, 1)  # one input feature, rows numbered from 1
+    rows = layout.pad_q(q, 0).reshape(layout.padded_kv_heads, layout.padded_group, 2)
+    for g in range(kv_heads):  # each real group keeps its heads, in order, then zero heads
+        group = q.reshape(kv_heads, heads // kv_heads, 2)[g]
+        assert torch.equal(rows[g, : heads // kv_heads], group[..., 0] if group.dim() == 3 else group)
+        assert not rows[g, heads // kv_heads :].any()
+    assert not rows[kv_heads:].any(), "padded KV heads' groups are zero"
+    assert layout.pad_q(q.t(), 1).t().equal(layout.pad_q(q, 0)), "o columns padded as q rows"
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "degree"), [(6, 3, 2), (6, 2, 4)])
+def test_padded_heads_add_nothing(heads: int, kv_heads: int, degree: int) -> None:
+    """The ranks of a padded layout compute the model's attention: 6 query / 3 KV heads on 2 ranks (8 / 4 padded:
+    a zero KV head and its group) and 6 / 2 on 4 ranks (each group of 3 padded to 4, each KV head on two ranks).
+    Each rank's real `Attention` runs on its slice of the weights and of the KV cache; their o outputs summed by
+    hand (what the all-reduce does) equal the unsplit layer's output."""
+    from transformers import AutoConfig
+
+    from optimum.neuron.models.base import attention_of
+    from optimum.neuron.models.layers.attention import DecodeContext
+    from optimum.neuron.models.layers.parallel import head_layout, rank_config, shard_weights
+    from optimum.neuron.models.registry import family_for
+
+    config = AutoConfig.for_model(
+        "llama", hidden_size=48, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8
+    )
+    family, local, layout = family_for(config), rank_config(config, degree), head_layout(config, degree)
+    torch.manual_seed(0)
+    full = attention_of(family, config, 0)
+    for p in full.parameters():
+        p.data.normal_()
+    x, rope = torch.randn(2, 1, 48), (torch.ones(2, 1, 1, 8), torch.zeros(2, 1, 1, 8))
+    context = DecodeContext.build(torch.tensor([[3], [5]]), torch.arange(8))
+    cache = [torch.randn(2, kv_heads, 9, 8) for _ in "KV"]  # the model's KV heads (+ the scratch row)
+    expected = full(x, rope, [c.clone() for c in cache], context)
+    extra = layout.padded_kv_heads - kv_heads
+    padded = [torch.cat([c, torch.randn(2, extra, 9, 8)], dim=1) for c in cache]  # a padded KV head: any values
+    weights = {f"self_attn.{name}": tensor for name, tensor in full.state_dict().items()}  # the names it shards by
+    total = torch.zeros_like(expected)
+    for rank in range(degree):
+        part = attention_of(family, local, 0)
+        shard = shard_weights(weights, config, degree, rank)
+        part.load_state_dict({name.removeprefix("self_attn."): t for name, t in shard.items()}, strict=True)
+        rows = layout.kv_rows(rank)
+        first, last = rows.start // 8, rows.stop // 8
+        total += part(x, rope, [c[:, first:last].clone() for c in padded], context)
+    torch.testing.assert_close(total, expected)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "message"),
+    [
+        ("llama", {"intermediate_size": 129}, "intermediate_size=129"),
+        ("qwen3_moe", {"moe_intermediate_size": 33, "num_experts": 2}, "moe_intermediate_size=33"),
+    ],
+)
+def test_export_refuses_configs_that_do_not_split(model_type: str, overrides: dict, message: str) -> None:
     from transformers import AutoConfig
 
     from optimum.neuron.models.registry import build_decoder
 
-    config = AutoConfig.for_model("llama", **{"hidden_size": 64, "intermediate_size": 128, **overrides})
+    config = AutoConfig.for_model(model_type, **{"hidden_size": 64, "intermediate_size": 128, **overrides})
     with pytest.raises(IncompatibleConfigError, match=message) as info, torch.device("meta"):
         build_decoder(config, 32, 8, tp_degree=2)
     assert "--tensor_parallel_size" in str(info.value)

@@ -82,7 +82,7 @@ def build_decoder(hf_config: Any, sequence_length: int, max_topk: int, tp_degree
     family.check(hf_config, sequence_length)
     if tp_degree == 1:
         return StaticDecoder(family, hf_config, max_topk)
-    check_tensor_parallel(family, hf_config, tp_degree)
+    check_tensor_parallel(hf_config, tp_degree)
     decoder = StaticDecoder(family, rank_config(hf_config, tp_degree), max_topk)
     make_row_parallel(decoder)
     return decoder

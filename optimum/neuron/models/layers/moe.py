@@ -37,7 +37,8 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.act = ACT2FN[act]
+        self.shape = (num_experts, hidden, intermediate)
+        self.act_name, self.act = act, ACT2FN[act]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [N, H]``, ``weights [N, E]`` -> ``sum_e weights[:, e] * expert_e(x)``, ``[N, H]``."""
