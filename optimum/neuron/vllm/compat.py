@@ -228,6 +228,15 @@ def set_tensor_parallel(parallel_config: Any, degree: int) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
+def set_served_heads(model_config: Any, heads: int, kv_heads: int) -> None:
+    """Tell vLLM the head counts the artifact's graphs compute (`layers.parallel.HeadLayout`: padded with zero heads
+    when they do not split over the ranks). vLLM checks ``total_num_attention_heads % tensor_parallel_size`` again
+    in the engine core, after the platform set the degree (``VllmConfig.__post_init__``); its own per-rank head
+    counts are never used to run the model (the runner computes with the artifact's graphs)."""
+    model_config.model_arch_config.total_num_attention_heads = heads
+    model_config.model_arch_config.total_num_kv_heads = kv_heads
+
+
 def init_worker_group(worker: Any) -> None:
     """Join vLLM's torch.distributed groups from a worker (``init_worker_distributed_environment``, the platform's
     gloo backend): the default group a tensor-parallel graph all-reduces over holds this engine's ranks."""
