@@ -223,9 +223,16 @@ def _check_shapes(config: NeuronConfig) -> None:
         _positive(config, name)
     _positive(config, "tp_degree")
     if config.tp_degree > 1 and config.backend not in ("eager", "inductor"):
+        why = (
+            " (torch-xla 2.9 traces the all-reduce into the HLO module but cannot run it across ranks on XLA:CPU: a "
+            "process is a world of one device, where the all-reduce returns its input, and CPU_NUM_DEVICES threads "
+            "deadlock in XLA's rendezvous, so a tensor-parallel xla artifact cannot be checked; docs/xla.md)"
+            if config.backend == "xla"
+            else ""
+        )
         raise IncompatibleConfigError(
-            f"tensor parallelism is implemented for the eager and inductor backends, not {config.backend!r}: export "
-            f"with {flag('tp_degree')} 1 or --backend inductor (docs/parallelism.md)."
+            f"tensor parallelism is implemented for the eager and inductor backends, not {config.backend!r}{why}: "
+            f"export with {flag('tp_degree')} 1 or --backend inductor (docs/parallelism.md)."
         )
 
 

@@ -21,6 +21,7 @@ INVALID = [
     ({"tp_degree": 0}, "--tensor_parallel_size N"),
     ({"tp_degree": 1.5}, "--tensor_parallel_size N"),
     ({"tp_degree": 2, "backend": "xla"}, "--tensor_parallel_size 1"),
+    ({"tp_degree": 2, "backend": "xla"}, "cannot run it across ranks on XLA:CPU"),
     ({"batch_size": 0}, "--batch_size"),
     ({"batch_size": -3}, "--batch_size"),
     ({"batch_size": True}, "--batch_size"),

@@ -89,6 +89,12 @@ def test_hlo_proto_and_computation_round_trip(device: torch.device) -> None:
     assert torch.equal(out.cpu(), x.cpu() @ w.cpu() + 1.5)
 
 
+def test_hlo_text_shows_the_module(device: torch.device) -> None:
+    _x, _w, y = traced(device)
+    text = xla_compat.hlo_text(xla_compat.hlo_proto([y]))
+    assert text.startswith("HloModule") and " dot(" in text and "f32[2,3]" in text and "f32[3,2]" in text
+
+
 def test_call_compiles_once_for_same_shapes(device: torch.device) -> None:
     _, _, y = traced(device)
     _, values = xla_compat.device_data([y])

@@ -124,6 +124,11 @@ def computation(name: str, proto: bytes) -> Any:
     return builder.computation_from_module_proto(name, proto)
 
 
+def hlo_text(proto: bytes) -> str:
+    """The HLO text of a serialized HLO module (``_XLAC._xla_computation_text``), e.g. to find its collectives."""
+    return str(_xlac()._xla_computation_text(computation("hlo_text", proto)))
+
+
 def call(name: str, inputs: list[torch.Tensor], built: Any) -> list[torch.Tensor]:
     """Lazily call the computation ``built`` on ``inputs`` (``_XLAC._xla_user_computation``): one IR node per
     call, so every call of one computation with inputs of the same shapes is the same graph (compiled once)."""
