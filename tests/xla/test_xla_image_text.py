@@ -1,7 +1,8 @@
 """The image-text graphs on the xla backend (tiny random Idefics3, fp32, XLA:CPU): the vision encoder and the
-image-splicing chunked-prefill graphs (one per KV window) traced to HLO, greedy tokens equal to transformers' for
-one image whose span straddles a chunk boundary, two images and three images (chunks in both KV windows), the vision
-graph run once per image, and each graph compiled once per process with no CPU fallback and its KV cache donated."""
+image-splicing prefill graphs (chunked: one per KV window; context encoding) traced to HLO, greedy tokens equal to
+transformers' for one image whose span straddles a chunk boundary, two images and three images (chunks in both KV
+windows), the vision graph run once per image, and each graph compiled once per process with no CPU fallback and
+its KV cache donated."""
 
 from __future__ import annotations
 
@@ -20,28 +21,27 @@ PROMPTS = (
     ("hello <image> and <image> what", [0, 1]),
     ("a <image> b <image> c <image> d", [2, 1, 0]),  # 93 tokens: its last chunks run in the full window
 )
+GRAPHS = {
+    CHUNK: {"chunked_prefill", "chunked_prefill_w64"},
+    0: {"context_encoding"},  # the whole prompt in one call (reads no earlier cache: one graph)
+}
 
 
 @pytest.mark.slow
 @subprocess_test
-def test_xla_image_text_equals_transformers_one_compile_per_graph() -> None:
+@pytest.mark.parametrize("chunk", [CHUNK, 0], ids=["chunked", "ce"])
+def test_xla_image_text_equals_transformers_one_compile_per_graph(chunk: int) -> None:
     from optimum.neuron.backends import xla_compat
 
-    model = NeuronModelForImageTextToText.from_pretrained(idefics3_export(CHUNK, "xla"))
+    model = NeuronModelForImageTextToText.from_pretrained(idefics3_export(chunk, "xla"))
     assert xla_compat.compile_count() == 0, "export or load compiled a graph"
     engine = model.engine
-    assert set(engine.graphs) == {
-        "chunked_prefill",
-        "chunked_prefill_w64",
-        "token_generation",
-        "token_generation_w64",
-        "vision_encoder",
-    }
+    assert set(engine.graphs) == GRAPHS[chunk] | {"token_generation", "token_generation_w64", "vision_encoder"}
     recorder = Recorder(engine)
     for text, images in PROMPTS:
         batch = inputs([text], [images])
         spans = image_spans(batch["input_ids"][0].tolist())
-        assert len(spans) == len(images) and all(a // CHUNK != b // CHUNK for a, b in spans), spans
+        assert len(spans) == len(images) and (not chunk or all(a // chunk != b // chunk for a, b in spans)), spans
         before = len(recorder.calls)
         assert our_tokens(model, batch) == transformers_tokens(batch), text
         vision = [name for name, _ in recorder.calls[before:] if name == "vision_encoder"]
