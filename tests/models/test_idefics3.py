@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from functools import cache
-from typing import Any
 
 import pytest
 import torch
@@ -16,9 +15,16 @@ from optimum.neuron.errors import InputError, WeightLoadingError
 from optimum.neuron.runtime.images import ImageInput
 from optimum.neuron.runtime.sampling import SamplingParams
 from tests.contract.engine_tools import Recorder
-from tests.fixtures.llm.idefics3 import idefics3_export, sample_images, tiny_idefics3
+from tests.fixtures.llm.idefics3 import (
+    idefics3_export,
+    image_spans,
+    inputs,
+    our_tokens,
+    reference,
+    tiny_idefics3,
+    transformers_tokens,
+)
 
-NEW_TOKENS = 8
 PROMPTS = {
     "one image, text before and after": ("hello the <image> what is this", [0]),
     "two images": ("hello <image> and <image> what", [0, 1]),
@@ -26,40 +32,8 @@ PROMPTS = {
 
 
 @cache
-def processor() -> Any:
-    from transformers import AutoProcessor
-
-    proc = AutoProcessor.from_pretrained(tiny_idefics3())
-    proc.tokenizer.padding_side = "left"
-    return proc
-
-
-@cache
-def reference() -> Any:
-    from transformers import Idefics3ForConditionalGeneration
-
-    return Idefics3ForConditionalGeneration.from_pretrained(tiny_idefics3(), dtype=torch.float32).eval()
-
-
-@cache
 def loaded(chunk: int, backend: str = "eager") -> NeuronModelForImageTextToText:
     return NeuronModelForImageTextToText.from_pretrained(idefics3_export(chunk, backend))
-
-
-def inputs(texts: list[str], images: list[list[int]]) -> Any:
-    pictures = sample_images()
-    rows = [[pictures[i] for i in row] for row in images]
-    return processor()(text=texts, images=rows, return_tensors="pt", padding=True)
-
-
-def transformers_tokens(batch: Any) -> list[list[int]]:
-    out = reference().generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-    return out[:, batch["input_ids"].shape[1] :].tolist()
-
-
-def our_tokens(model: NeuronModelForImageTextToText, batch: Any) -> list[list[int]]:
-    out = model.generate(**batch, max_new_tokens=NEW_TOKENS, eos_token_id=[])
-    return out[:, batch["input_ids"].shape[1] :].tolist()
 
 
 # chunk 64: every image span inside one chunk; 24: spans straddle one chunk boundary; 8: a span covers 4-5 chunks
@@ -68,7 +42,7 @@ def our_tokens(model: NeuronModelForImageTextToText, batch: Any) -> list[list[in
 def test_greedy_parity_with_transformers(chunk: int, case: str) -> None:
     text, images = PROMPTS[case]
     batch = inputs([text], [images])
-    spans = _image_spans(batch["input_ids"][0].tolist())
+    spans = image_spans(batch["input_ids"][0].tolist())
     assert any(a // chunk != b // chunk for a, b in spans) == (chunk < 64), spans
     assert any(b // chunk - a // chunk >= 2 for a, b in spans) == (chunk == 8), spans
     assert our_tokens(loaded(chunk), batch) == transformers_tokens(batch)
@@ -169,22 +143,6 @@ def test_checkpoint_loading_is_strict() -> None:
     state.pop("model.vision_model.post_layernorm.weight")
     with pytest.raises(WeightLoadingError, match=r"vision_model\.post_layernorm\.weight"):
         map_state_dict(layout, state, torch.float32)
-
-
-def _image_spans(prompt: list[int]) -> list[tuple[int, int]]:
-    """(first, last) image-token position of each image of an expanded prompt."""
-    from tests.fixtures.llm.idefics3 import image_token_ids
-
-    ids = image_token_ids()
-    positions = [p for p, t in enumerate(prompt) if t == ids["<image>"]]
-    ends = [p for p in positions if prompt[p - 1] == ids["<global-img>"]]
-    spans, first = [], positions[0]
-    for end in ends:
-        last = end + 3  # the global tile's 4 rows
-        spans.append((first, last))
-        later = [p for p in positions if p > last]
-        first = later[0] if later else -1
-    return spans
 
 
 def test_optimum_cli_exports_an_image_text_model(tmp_path) -> None:

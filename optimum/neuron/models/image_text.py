@@ -77,11 +77,6 @@ def fit_images(config: NeuronConfig, image_family: ImageTextFamily | None, hf_co
         if given:
             raise IncompatibleConfigError(f"{given} apply to image-text models only: drop --{' --'.join(given)}.")
         return config
-    if config.backend == "xla":
-        raise IncompatibleConfigError(
-            "image-text models are not verified on the xla backend (its vision-encoder graph was never run there): "
-            "export with --backend inductor or eager."
-        )
     tiles = image_family.tiles(hf_config, model_dir)
     if config.image_size not in (0, tiles.size):
         raise IncompatibleConfigError(

@@ -45,7 +45,10 @@ class VisionEmbeddings(nn.Module):
         def buckets(count: int) -> torch.Tensor:
             fractions = torch.arange(count, device=device, dtype=torch.float32) * (1.0 / count)
             fractions = torch.clamp(fractions, max=1.0 - 1e-6).to(dtype)
-            return torch.bucketize(fractions, boundaries, right=True)
+            # torch.bucketize(fractions, boundaries, right=True), the boundaries being sorted: how many are <= each
+            # fraction. Same integers (the same comparisons, same dtype promotion); bucketize has no XLA lowering
+            # (torch-xla 2.9 runs it on the CPU), a comparison and a sum do.
+            return (boundaries <= fractions[:, None]).sum(-1)
 
         rows, cols = buckets(height // self.patch_size), buckets(width // self.patch_size)
         return (rows[:, None] * side + cols[None, :]).reshape(-1)
