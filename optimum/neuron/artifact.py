@@ -28,7 +28,8 @@ from safetensors.torch import load_file
 from .config import CONFIG_FILE, NeuronConfig, load_config_file
 from .errors import ArtifactError
 from .graphs import graph_specs
-from .models.base import StaticDecoder, attention_dims
+from .models.base import StaticDecoder
+from .models.layers.attention import attention_dims
 from .models.layers.kv_cache import allocate_kv_cache
 from .models.layers.parallel import rank_config, shard_weights
 from .models.registry import build_decoder, language_config

@@ -16,10 +16,10 @@ from .family import Family, layer_windows
 from .layers.attention import (
     Attention,
     AttentionContext,
-    AttentionDims,
     AttentionOptions,
     ChunkContext,
     DecodeContext,
+    attention_dims,
 )
 from .layers.mlp import FusedGatedMLP, GatedMLP
 from .layers.rope import Rotary, RotaryPerType
@@ -28,14 +28,6 @@ from .layers.splice import splice_image_rows
 
 ImageRows = tuple[torch.Tensor, torch.Tensor]
 """An image-text prefill chunk's ``image_embeds [1, T, H]`` and ``image_mask [1, T]`` (`layers.splice`)."""
-
-
-def attention_dims(hf_config: Any) -> AttentionDims:
-    """Head layout of a transformers config."""
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    return AttentionDims(hf_config.hidden_size, heads, kv_heads, head_dim)
 
 
 def attention_of(family: Family, hf_config: Any, index: int) -> Attention:

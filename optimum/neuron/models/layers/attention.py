@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,14 @@ class AttentionDims:
     heads: int
     kv_heads: int
     head_dim: int
+
+
+def attention_dims(hf_config: Any) -> AttentionDims:
+    """Head layout of a transformers config."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return AttentionDims(hf_config.hidden_size, heads, kv_heads, head_dim)
 
 
 @dataclass

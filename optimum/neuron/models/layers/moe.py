@@ -37,7 +37,6 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.shape = (num_experts, hidden, intermediate)
         self.act_name, self.act = act, ACT2FN[act]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import IncompatibleConfigError
+from .attention import attention_dims
 from .moe import Experts
 
 COLUMN_PARALLEL = ("self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -87,8 +88,9 @@ def make_row_parallel(decoder: nn.Module) -> None:
             )
         elif type(module) is Experts:
             weight = module.down_proj
+            experts, hidden, intermediate = weight.shape
             with torch.device(weight.device):
-                row = RowParallelExperts(*module.shape, module.act_name)
+                row = RowParallelExperts(experts, hidden, intermediate, module.act_name)
         else:
             continue
         setattr(decoder.get_submodule(parent_name), leaf, row.to(weight.dtype))
@@ -138,10 +140,6 @@ class HeadLayout:
     def rank_kv_heads(self) -> int:
         return 1 if self.replicated else self.padded_kv_heads // self.degree
 
-    @property
-    def padded(self) -> bool:
-        return self.padded_heads != self.heads
-
     def kv_rows(self, rank: int) -> slice:
         """The rows of the padded k/v projections that rank ``rank`` holds."""
         first = rank * self.kv_heads // self.degree if self.replicated else rank * self.rank_kv_heads
@@ -169,10 +167,8 @@ class HeadLayout:
 
 def head_layout(hf_config: Any, degree: int) -> HeadLayout:
     """The `HeadLayout` of ``hf_config`` over ``degree`` ranks."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return HeadLayout(heads, kv_heads, head_dim, degree)
+    dims = attention_dims(hf_config)
+    return HeadLayout(dims.heads, dims.kv_heads, dims.head_dim, degree)
 
 
 def _split_sizes(hf_config: Any) -> dict[str, int]:
