@@ -52,6 +52,10 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     with pytest.raises(Exception) as info:
         engine_config(tp2, tensor_parallel_size=4)
     assert "--tensor_parallel_size 4" in "".join(str(e) for e in _chain(info.value))
+    padded = engine_config(export_fixture("llama-2x4x8-h6-kv3-tp2-eager"))  # 6 / 3 heads, computed as 8 / 4
+    arch = padded.model_config.model_arch_config
+    assert (arch.total_num_attention_heads, arch.total_num_kv_heads) == (8, 4), "vLLM told the padded heads"
+    padded.__post_init__()  # what vLLM's engine core re-runs at start-up, with the degree already set
     folder = tmp_path / "plain"
     folder.mkdir()
     (folder / "config.json").write_text((chunked / "config.json").read_text())
