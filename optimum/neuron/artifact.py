@@ -28,9 +28,11 @@ from safetensors.torch import load_file
 from .config import CONFIG_FILE, NeuronConfig, load_config_file
 from .errors import ArtifactError
 from .graphs import graph_specs
+from .kernels import packed as packed_kernel
 from .models.base import StaticDecoder
 from .models.layers.attention import attention_dims
 from .models.layers.kv_cache import allocate_kv_cache
+from .models.layers.packed import pack_decoder, packed_weights
 from .models.layers.parallel import rank_config, shard_weights
 from .models.registry import build_decoder, language_config
 from .weights import bind_weights
@@ -122,22 +124,22 @@ class Artifact:
             raise ArtifactError(f"graph file {path} does not match its recorded hash (corrupt); re-export the model.")
         return path
 
-    def load_weights(self, device: str | torch.device, rank: int = 0) -> dict[str, torch.Tensor]:
-        """The weight set, checked against the signature the graphs were compiled with; for a tensor-parallel
-        artifact, tensor-parallel rank ``rank``'s slice of it (`rank_weights`)."""
+    def load_weights(self, hf_config: Any, device: str | torch.device, rank: int = 0) -> dict[str, torch.Tensor]:
+        """The weight set the graphs bind (`graph_weights` of the model ``hf_config``, this artifact's `hf_config`:
+        rank ``rank``'s slice, packed when the artifact packs its linear layers), on ``device``; the stored set is
+        checked against the signature the graphs were compiled with first."""
         path = self.root / WEIGHTS_FILE
         try:
             weights = load_file(str(path))
         except Exception as err:  # safetensors raises its own error types on a bad file
             raise ArtifactError(f"cannot read weights {path} ({err}); re-export the model.") from err
+        weights = {name: tensor.to(device) for name, tensor in weights.items()}
         if weight_signature(weights) != self.manifest.get("weights"):
             raise ArtifactError(
                 f"{path} does not match the weights the graphs were compiled with (names, shapes or dtypes "
                 "differ); re-export the model."
             )
-        hf_config = self.hf_config() if self.config.tp_degree > 1 else None  # only a rank's slice needs its shapes
-        weights = rank_weights(hf_config, self.config, weights, rank)
-        return {name: tensor.to(device) for name, tensor in weights.items()}
+        return graph_weights(hf_config, self.config, weights, rank)
 
 
 def _check_manifest(root: Path, manifest: Any, expected: list[str]) -> None:
@@ -172,10 +174,18 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def empty_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
-    """The static decoder of ``hf_config`` under ``config`` on the meta device: names and shapes, no memory (one
-    tensor-parallel rank's when ``config.tp_degree > 1``)."""
+    """The static decoder of ``hf_config`` under ``config`` on the meta device, in the checkpoint's layout: names and
+    shapes, no memory (one tensor-parallel rank's when ``config.tp_degree > 1``)."""
     with torch.device("meta"):
         return build_decoder(hf_config, config.sequence_length, config.max_topk, config.tp_degree)
+
+
+def graph_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
+    """`empty_decoder` as the graphs compute it: its linear layers packed when ``config.packed_linears``."""
+    decoder = empty_decoder(hf_config, config)
+    if config.packed_linears:
+        pack_decoder(decoder)
+    return decoder
 
 
 def rank_weights(
@@ -188,9 +198,24 @@ def rank_weights(
     return weights if config.tp_degree == 1 else shard_weights(weights, hf_config, config.tp_degree, rank)
 
 
+def graph_weights(
+    hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tensor], rank: int = 0
+) -> dict[str, torch.Tensor]:
+    """The weight set every graph of rank ``rank`` binds, derived from the stored ``weights`` (the checkpoint's layout):
+    the rank's slice, its linear layers packed when ``config.packed_linears`` (the packed kernel is loaded then). Still
+    one set: each packed tensor replaces its stored one, nothing is kept twice."""
+    weights = rank_weights(hf_config, config, weights, rank)
+    if not config.packed_linears:
+        return weights
+    packed_kernel.load()
+    names = packed_weights(graph_decoder(hf_config, config))
+    return {name: packed_kernel.pack(tensor) if name in names else tensor for name, tensor in weights.items()}
+
+
 def assemble(hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tensor]) -> StaticDecoder:
-    """The static decoder bound to ``weights`` (the tensors themselves, no copy), in eval mode."""
-    decoder = empty_decoder(hf_config, config)
+    """The graphs' decoder (`graph_decoder`) bound to ``weights`` (`graph_weights`: the tensors themselves, no copy),
+    in eval mode."""
+    decoder = graph_decoder(hf_config, config)
     bind_weights(decoder, weights)
     return decoder.eval()
 

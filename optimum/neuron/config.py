@@ -24,7 +24,13 @@ DEVICES = ("cpu", "cuda", "neuron")
 CONFIG_FILE = "neuron_config.json"
 AUTO_FIRST_WINDOW = 256
 """The smallest KV window of ``kv_buckets="auto"`` (unless the chunk is larger)."""
-CHOICES: dict[str, tuple[str, ...]] = {"auto_cast_type": tuple(DTYPES), "backend": BACKENDS, "device": DEVICES}
+LINEAR_KERNELS = ("auto", "packed", "aten")
+CHOICES: dict[str, tuple[str, ...]] = {
+    "auto_cast_type": tuple(DTYPES),
+    "backend": BACKENDS,
+    "device": DEVICES,
+    "linear_kernel": LINEAR_KERNELS,
+}
 """The allowed values of the fields that take a name (the CLI offers exactly these)."""
 FLAG_NAMES = {"tp_degree": "tensor_parallel_size"}
 """Export flags named otherwise than their field (optimum-neuron's established flag names)."""
@@ -83,6 +89,12 @@ class NeuronConfig:
     """Image-text models: the most images one prompt may hold (a prompt with more is refused, naming this limit). 0
     for a text-only model; an image-text model's export defaults it to as many of the largest images as fit in
     sequence_length (at least 1)."""
+    linear_kernel: str = "auto"
+    """How the decoder's linear layers multiply: ``packed``, the toolkit's CPU kernel (weights packed once at load into
+    16-column panels that every row of a call shares: a batch-8 decode step reads its weights once, as a batch-1 step
+    does; fp32, eager and inductor backends on the CPU); ``aten``, torch's default linear on the checkpoint's layout
+    (for comparison, and every other dtype, backend and device); ``auto``, ``packed`` where it applies, else ``aten``.
+    The artifact stores the checkpoint's layout either way (docs/architecture.md, "Linear layers on the CPU")."""
     backend: str = "inductor"
     """Compile backend: ``inductor`` (AOTInductor packages), ``eager`` (reference), ``xla``, ``neuron``."""
     device: str = "cpu"
@@ -96,6 +108,7 @@ class NeuronConfig:
             _check_shapes,
             _check_chunk,
             _check_dtype_and_backend,
+            _check_linear_kernel,
             _check_sampling,
             _check_buckets,
             _check_images,
@@ -122,6 +135,13 @@ class NeuronConfig:
             return (*windows, seq)
         sizes = tuple(int(part) for part in spec.split(","))
         return sizes if sizes[-1] == seq else (*sizes, seq)
+
+    @property
+    def packed_linears(self) -> bool:
+        """True when the decoder's linear layers run the packed CPU kernel (`linear_kernel` resolved)."""
+        if self.linear_kernel == "auto":
+            return _packed_kernel_applies(self)
+        return self.linear_kernel == "packed"
 
     def derive(self, **changes: Any) -> NeuronConfig:
         """A validated copy with ``changes`` applied (`dataclasses.replace`)."""
@@ -263,6 +283,20 @@ def _check_dtype_and_backend(config: NeuronConfig) -> None:
         raise IncompatibleConfigError(
             f"backend={config.backend!r} cannot run on device={config.device!r}: the neuron device needs "
             "--backend neuron (or xla), and --backend neuron needs --device neuron."
+        )
+
+
+def _packed_kernel_applies(config: NeuronConfig) -> bool:
+    """Where the packed CPU kernel runs: fp32 graphs on the CPU, eager or inductor backend."""
+    return config.device == "cpu" and config.backend in ("eager", "inductor") and config.auto_cast_type == "fp32"
+
+
+def _check_linear_kernel(config: NeuronConfig) -> None:
+    if config.linear_kernel == "packed" and not _packed_kernel_applies(config):
+        raise IncompatibleConfigError(
+            f"linear_kernel='packed' runs fp32 graphs on the CPU with the eager or inductor backend, not "
+            f"{config.auto_cast_type} on {config.device} with {config.backend}: pass {flag('linear_kernel')} auto (or "
+            "aten), or export fp32 for the CPU."
         )
 
 

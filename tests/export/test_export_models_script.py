@@ -35,8 +35,9 @@ def test_list_with_globs_selects() -> None:
         if (n.startswith("llama-") and n.endswith("-eager")) or n.startswith("qwen3-2x1x32-ce-")
     ]
     assert done.stdout.split() == expected
-    # llama's chunked and CE eager fixtures: plain, -logprobs, -kv1-tp2; the padded -h6-kv3-tp2; qwen3's CE two
-    assert len(expected) == 9
+    # llama's chunked and CE eager fixtures: plain, -logprobs, -kv1-tp2; the padded -h6-kv3-tp2; the chunked -aten;
+    # qwen3's CE two
+    assert len(expected) == 10
 
 
 def test_glob_matching_nothing_exits_2_listing_names() -> None:

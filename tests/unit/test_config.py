@@ -37,6 +37,10 @@ INVALID = [
     ({"backend": "inductor", "device": "neuron"}, "--backend neuron"),
     ({"backend": "xla", "device": "cuda"}, "--backend inductor --device cuda"),
     ({"on_device_sampling": "yes"}, "on_device_sampling must be a bool"),
+    ({"linear_kernel": "mkl"}, "--linear_kernel auto"),
+    ({"linear_kernel": "packed", "auto_cast_type": "bf16"}, "--linear_kernel auto"),
+    ({"linear_kernel": "packed", "backend": "xla"}, "--linear_kernel auto"),
+    ({"linear_kernel": "packed", "device": "cuda"}, "--linear_kernel auto"),
 ]
 
 
@@ -51,6 +55,21 @@ def test_invalid_field_raises_typed_error_naming_the_fix(changes: dict, fix: str
     with pytest.raises(IncompatibleConfigError) as info:
         NeuronConfig(**changes)
     assert fix in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "packs"),
+    [
+        ({}, True),
+        ({"backend": "inductor"}, True),
+        ({"linear_kernel": "aten"}, False),
+        ({"auto_cast_type": "bf16"}, False),
+        ({"backend": "xla"}, False),
+        ({"device": "cuda", "backend": "inductor"}, False),
+    ],
+)
+def test_linear_kernel_auto_packs_fp32_cpu_graphs(changes: dict, packs: bool) -> None:
+    assert chunked(**changes).packed_linears is packs
 
 
 def test_typed_error_is_also_a_value_error() -> None:

@@ -23,6 +23,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 """The ``optimum`` folder this toolkit is imported from."""
 GRAPH_SOURCES = (
     "neuron/models",
+    "neuron/kernels",
     "neuron/backends",
     "neuron/graphs.py",
     "neuron/weights.py",

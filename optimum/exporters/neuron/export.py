@@ -22,7 +22,7 @@ from ...neuron.artifact import (
     assemble,
     empty_decoder,
     graph_file,
-    rank_weights,
+    graph_weights,
     sha256_of,
     write_manifest,
 )
@@ -174,7 +174,7 @@ def load_decoder(
     layout = empty_decoder(hf_config, config.derive(tp_degree=1))
     params = map_state_dict(layout, read_checkpoint(model_dir), config.torch_dtype)
     weights = {k: v.to(device or config.device) for k, v in constants_of(layout, params).items()}
-    return assemble(hf_config, config, rank_weights(hf_config, config, weights, 0)), weights
+    return assemble(hf_config, config, graph_weights(hf_config, config, weights)), weights
 
 
 def _example_inputs(spec: GraphSpec, hf_config: Any, config: NeuronConfig) -> dict[str, torch.Tensor]:

@@ -21,7 +21,9 @@ from .layers.attention import (
     DecodeContext,
     attention_dims,
 )
+from .layers.embedding import ScaledEmbedding
 from .layers.mlp import FusedGatedMLP, GatedMLP
+from .layers.packed import head_logits
 from .layers.rope import Rotary, RotaryPerType
 from .layers.sampling import sample_tokens
 from .layers.splice import splice_image_rows
@@ -69,20 +71,6 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class ScaledEmbedding(nn.Embedding):
-    """Token embeddings times a constant (Gemma: ``sqrt(hidden_size)``), the constant cast to the weights'
-    dtype first as transformers does (``embed_scale`` is a buffer, so part of the weight set)."""
-
-    def __init__(self, vocab: int, hidden: int, scale: float) -> None:
-        super().__init__(vocab, hidden)
-        with torch.device("cpu"):  # a real value even when the rest is built on the meta device
-            self.embed_scale: torch.Tensor
-            self.register_buffer("embed_scale", torch.tensor(scale), persistent=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
-
-
 class DecoderBody(nn.Module):
     """Embeddings, layers, final norm and rotary frequencies (transformers' ``model.`` prefix)."""
 
@@ -116,8 +104,7 @@ class StaticDecoder(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self.model.norm(h)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(h, weight)
+        logits = head_logits(self.model.embed_tokens if self.lm_head is None else self.lm_head, h)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.to(torch.float32)

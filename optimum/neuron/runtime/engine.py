@@ -58,7 +58,7 @@ class Engine:
         """This process's tensor-parallel rank (0 for a single-rank artifact): the weights and KV heads it holds."""
         backend = get_backend(self.config.backend)
         self.device = backend.placement(self.config.device)
-        self.weights = artifact.load_weights(self.device, self.rank)
+        self.weights = artifact.load_weights(self.model_config, self.device, self.rank)
         self.kv_cache = allocate_cache(self.hf_config, self.config, self.device)
         self.slots = SlotTable(self.config.batch_size)
         self._sequences: dict[SeqId, Sequence] = {}

@@ -64,8 +64,12 @@ class RowParallelLinear(nn.Linear):
     replicated, added once after the sum). Its parameter names are `nn.Linear`'s."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(x, self.weight))
+        out = all_reduce(self.local(x))
         return out if self.bias is None else out + self.bias
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product ``x @ W_r^T``, before the sum over the ranks."""
+        return F.linear(x, self.weight)
 
 
 class RowParallelExperts(Experts):

@@ -1,0 +1,131 @@
+"""The packed CPU kernel (`optimum/neuron/kernels`): its layout, its products against float64, the order of its sums
+(a row's result depends on that row only: bitwise, whatever the row count), its refusals, and the packed twins of the
+decoder's modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from optimum.neuron.errors import BackendUnavailableError
+from optimum.neuron.kernels import packed
+from optimum.neuron.models.layers.embedding import PackedEmbedding, ScaledEmbedding
+from optimum.neuron.models.layers.packed import PackedLinear, head_logits, pack_decoder, packable, packed_weights
+
+SHAPES = [(16, 8), (100, 64), (96, 200), (49, 1536)]
+"""(out, in): a single panel, a ragged last panel, K not a multiple of the K block, K over several blocks."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    packed.load()
+
+
+@pytest.mark.parametrize(("out", "inp"), SHAPES)
+def test_pack_round_trip_and_rows(out: int, inp: int) -> None:
+    weight = torch.randn(out, inp)
+    table = packed.pack(weight)
+    assert table.shape == packed.packed_shape(weight.shape) == (-(-out // 16), inp, 16)
+    assert torch.equal(packed.unpack(table, out), weight)
+    assert torch.equal(table.transpose(1, 2).reshape(-1, inp)[out:], torch.zeros(table.shape[0] * 16 - out, inp))
+    ids = torch.tensor([[0, out - 1, out // 2], [1, 2, 3]]) % out
+    assert torch.equal(packed.packed_rows(table, ids), weight[ids])
+
+
+@pytest.mark.parametrize(("out", "inp"), SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 13, 64])
+def test_product_matches_float64(out: int, inp: int, rows: int) -> None:
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(out, inp), torch.randn(out), torch.randn(2, rows, inp)
+    got = packed.packed_linear(x, packed.pack(weight), bias, out)
+    want = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    assert got.shape == (2, rows, out) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4 * inp**0.5)
+    no_bias = packed.packed_linear(x, packed.pack(weight), None, out)
+    torch.testing.assert_close(no_bias.double(), want - bias.double(), rtol=1e-5, atol=1e-4 * inp**0.5)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 6, 7, 8, 64, 256])
+def test_a_rows_result_depends_on_that_row_only(rows: int) -> None:
+    """Bitwise: equal rows of one call are equal, and a row alone gives what it gives among others (the padded
+    columns of a prefill chunk repeat the last real one: invariant 4)."""
+    torch.manual_seed(0)
+    out, inp = 100, 600
+    table = packed.pack(torch.randn(out, inp))
+    x = torch.randn(rows, inp)
+    x[rows // 2 :] = x[rows // 2]
+    y = packed.packed_linear(x, table, None, out)
+    assert torch.equal(y[rows // 2 :], y[rows // 2].expand(rows - rows // 2, out))
+    for r in {0, rows - 1}:
+        assert torch.equal(packed.packed_linear(x[r : r + 1], table, None, out)[0], y[r])
+
+
+def test_threads_do_not_change_a_result() -> None:
+    torch.manual_seed(1)
+    table, x = packed.pack(torch.randn(300, 640)), torch.randn(8, 640)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = packed.packed_linear(x, table, None, 300)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, packed.packed_linear(x, table, None, 300))
+
+
+BAD = [
+    (lambda t: packed.packed_linear(torch.randn(2, 8, dtype=torch.float64), t, None, 20), "float32"),
+    (lambda t: packed.packed_linear(torch.randn(2, 7), t, None, 20), "features"),
+    (lambda t: packed.packed_linear(torch.randn(2, 8), t, None, 40), "output features"),
+    (lambda t: packed.packed_linear(torch.randn(2, 8), t, torch.randn(19), 20), "bias"),
+    (lambda t: packed.packed_linear(torch.randn(2, 8), t.transpose(0, 1), None, 20), "contiguous"),
+]
+
+
+@pytest.mark.parametrize(("call", "message"), BAD, ids=[m for _, m in BAD])
+def test_bad_inputs_are_refused_not_crashes(call, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match=message):
+        call(packed.pack(torch.randn(20, 8)))
+
+
+def test_no_compiler_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import cpp_extension
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Error building extension: g++ not found")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(packed, "_loaded", [])
+    with pytest.raises(BackendUnavailableError, match="--linear_kernel aten"):
+        packed.load()
+
+
+class _Tiny(nn.Module):
+    """The names `packable` looks for: decoder layers, a tied embedding table, an LM head."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.tied = tied
+        self.model = nn.Module()
+        self.model.embed_tokens = ScaledEmbedding(40, 8, 2.0)
+        self.model.layers = nn.ModuleList([nn.Sequential(nn.Linear(8, 20), nn.Linear(20, 8, bias=False))])
+        self.lm_head = None if tied else nn.Linear(8, 40, bias=False)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_pack_decoder_swaps_exactly_the_packable_modules(tied: bool) -> None:
+    plain = _Tiny(tied).eval()
+    decoder = _Tiny(tied).eval()
+    decoder.load_state_dict(plain.state_dict())
+    names = packable(decoder)
+    pack_decoder(decoder)
+    assert isinstance(decoder.model.layers[0][0], PackedLinear)
+    assert isinstance(decoder.model.embed_tokens, PackedEmbedding) is tied
+    assert packed_weights(decoder) == {f"{n}.weight" for n in names}
+    state = {k: packed.pack(v) if k in packed_weights(decoder) else v for k, v in plain.state_dict().items()}
+    decoder.load_state_dict(state, assign=True)
+    ids, h = torch.tensor([[3, 39, 0]]), torch.randn(1, 3, 8)
+    assert torch.equal(decoder.model.embed_tokens(ids), plain.model.embed_tokens(ids))
+    torch.testing.assert_close(decoder.model.layers[0](h), plain.model.layers[0](h))
+    head = lambda m: m.model.embed_tokens if tied else m.lm_head  # noqa: E731
+    torch.testing.assert_close(head_logits(head(decoder), h), head_logits(head(plain), h))
