@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from .config import CONFIG_FILE, NeuronConfig, load_config_file
-from .errors import ArtifactError
+from .errors import ArtifactError, IncompatibleConfigError
 from .graphs import graph_specs
 from .kernels import packed as packed_kernel
 from .models.base import StaticDecoder
@@ -198,6 +198,17 @@ def rank_weights(
     return weights if config.tp_degree == 1 else shard_weights(weights, hf_config, config.tp_degree, rank)
 
 
+def _check_packed_device(weights: dict[str, torch.Tensor]) -> None:
+    """`IncompatibleConfigError` when the weights a packed decoder binds are not on the CPU: the kernel has no
+    other implementation (on an XLA device every call would fall back to the host)."""
+    devices = sorted({t.device.type for t in weights.values()} - {"cpu"})
+    if devices:
+        raise IncompatibleConfigError(
+            f"the packed linear kernel runs on the CPU only, these weights are on {', '.join(devices)}: "
+            "use linear_kernel='aten' (--linear_kernel aten) for this placement."
+        )
+
+
 def graph_weights(
     hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tensor], rank: int = 0
 ) -> dict[str, torch.Tensor]:
@@ -207,6 +218,7 @@ def graph_weights(
     weights = rank_weights(hf_config, config, weights, rank)
     if not config.packed_linears:
         return weights
+    _check_packed_device(weights)
     packed_kernel.load()
     names = packed_weights(graph_decoder(hf_config, config))
     return {name: packed_kernel.pack(tensor) if name in names else tensor for name, tensor in weights.items()}

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from optimum.neuron.artifact import WEIGHTS_FILE, Artifact
+from optimum.neuron.artifact import WEIGHTS_FILE, Artifact, graph_weights
+from optimum.neuron.errors import IncompatibleConfigError
 from optimum.neuron.kernels.packed import PANEL
 from optimum.neuron.runtime.engine import Engine
 from tests.contract.engine_tools import alone, prefill_logits, prompt
@@ -45,3 +46,10 @@ def test_artifact_stores_the_checkpoint_layout_and_the_engine_one_packed_set(eng
     table = packed.weights["model.embed_tokens.weight"]
     assert decoder.model.embed_tokens.weight.data_ptr() == table.data_ptr(), "the decoder holds a copy of the table"
     assert decoder.lm_head is None, "the tied table is held once: the LM head reads the embedding's"
+
+
+def test_packed_weights_off_the_cpu_are_refused(engines: tuple[Engine, Engine]) -> None:
+    packed, _aten = engines
+    stored = {k: v.to("meta") for k, v in load_file(str(packed.artifact.root / WEIGHTS_FILE)).items()}
+    with pytest.raises(IncompatibleConfigError, match="CPU only.*--linear_kernel aten"):
+        graph_weights(packed.model_config, packed.config, stored)

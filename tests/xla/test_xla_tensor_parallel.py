@@ -33,9 +33,16 @@ ALL_REDUCE = re.compile(r"= \((f32\[[\d,]+\])[^)]*\) all-reduce\(.*replica_group
 def test_rank_graph_hlo_holds_the_all_reduces(tmp_path: Path) -> None:
     model = tiny_model("llama", num_key_value_heads=2)
     # the rank decoder does not depend on the backend: the config is eager's (one KV window, so its graphs are the
-    # static ones the xla backend would compile), the trace is the xla backend's
+    # static ones the xla backend would compile, and aten linears, what the xla backend's graphs call), the trace is the
+    # xla backend's
     config = NeuronConfig(
-        batch_size=2, sequence_length=32, prefill_chunk_size=8, kv_buckets="none", tp_degree=2, backend="eager"
+        batch_size=2,
+        sequence_length=32,
+        prefill_chunk_size=8,
+        kv_buckets="none",
+        tp_degree=2,
+        backend="eager",
+        linear_kernel="aten",
     )
     backend, hf_config = XlaBackend(), _hf_config(model)
     device = backend.placement("cpu")
