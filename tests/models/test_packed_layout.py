@@ -51,5 +51,5 @@ def test_artifact_stores_the_checkpoint_layout_and_the_engine_one_packed_set(eng
 def test_packed_weights_off_the_cpu_are_refused(engines: tuple[Engine, Engine]) -> None:
     packed, _aten = engines
     stored = {k: v.to("meta") for k, v in load_file(str(packed.artifact.root / WEIGHTS_FILE)).items()}
-    with pytest.raises(IncompatibleConfigError, match="CPU only.*--linear_kernel aten"):
+    with pytest.raises(IncompatibleConfigError, match=r"CPU only.*--linear_kernel aten"):
         graph_weights(packed.model_config, packed.config, stored)
