@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from optimum.exporters.neuron.__main__ import add_export_arguments
-from optimum.exporters.neuron.cache import cache_root
 from optimum.exporters.neuron.export import export
 from optimum.neuron import NeuronConfig, NeuronModelForCausalLM
+from optimum.neuron.cache_dir import cache_root
 from optimum.neuron.config import CHOICES, config_fields, field_docs, flag
 from tests.fixtures.cli import assert_refused, check_round_trip, export_llama, run_cli
 from tests.fixtures.llm.models import tiny_model
