@@ -2,7 +2,7 @@
 
 Its whole API is what ``generate()`` and the vLLM runner need:
 
-* `Engine.admit` a prompt under a caller's id (a KV slot is taken, the prompt and sampling checked);
+* `Engine.admit` a prompt under a caller's id (the prompt and sampling checked, then a KV slot taken, last);
 * `Engine.step` with how many pending tokens of which sequences to feed: the engine runs the
   token-generation graph once for every sequence that is decoding, then the prefill graph for each
   prefill range (split into chunks, the last one padded), samples, and says what it produced (tokens,
@@ -102,23 +102,25 @@ class Engine:
     def admit(self, seq_id: SeqId, prompt: Seq[int], params: SamplingParams, images: Seq[ImageInput] = ()) -> Sequence:
         """Take a KV slot for a new sequence (with the ``images`` whose rows its prompt's placeholders take, for an
         image-text artifact). `InputError` for a prompt, images or sampling the artifact cannot serve, `SlotError`
-        when every slot is taken; nothing is held after an error."""
+        when every slot is taken. Everything that can fail runs before the slot is taken, last: nothing is held
+        after an error."""
         if seq_id in self._sequences:
             raise InputError(f"sequence {seq_id!r} is already admitted: release it first, or use another id.")
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"params must be a SamplingParams, got {type(params).__name__}.")
         tokens = self._checked_prompt(prompt)
         if self.image_limits is not None:
             check_images(tokens, images, self.image_limits)
         elif images:
             raise InputError("this artifact is text-only: export an image-text model to send images.")
-        if params.host is None:  # a HostSampler applies its own top-k
-            params.check(self.config.max_topk)
+        params.check(self.config.max_topk, self.hf_config.vocab_size)
         params.check_graphs(self.config)
-        slot = self.slots.acquire(seq_id)
-        sequence = Sequence(seq_id, slot, tokens, len(tokens), self.config.sequence_length, SequenceSampler(params))
-        if params.prompt_logprobs is not None:
-            sequence.scorer = PromptScorer(list(tokens), params.prompt_logprobs)
-        if self.image_limits is not None:
-            sequence.images = SequenceImages(list(images))
+        sampler = SequenceSampler(params)
+        scorer = None if params.prompt_logprobs is None else PromptScorer(list(tokens), params.prompt_logprobs)
+        pictures = None if self.image_limits is None else SequenceImages(list(images))
+        slot = self.slots.acquire(seq_id)  # last: nothing after it can fail
+        capacity = self.config.sequence_length
+        sequence = Sequence(seq_id, slot, tokens, len(tokens), capacity, sampler, scorer=scorer, images=pictures)
         self._sequences[seq_id] = sequence
         return sequence
 
@@ -155,13 +157,21 @@ class Engine:
 
     def resume(self, seq_id: SeqId, tokens: Seq[int] | None = None) -> Sequence:
         """Give a preempted sequence a slot again, from cache position 0; ``tokens`` replaces its token
-        list when given (vLLM sends every token so far)."""
+        list when given (vLLM sends every token so far: they pass `admit`'s prompt checks and hold at least the
+        prompt). Nothing changes after an error."""
         sequence = self.sequence(seq_id)
         if sequence.slot is not None:
             raise InputError(f"sequence {seq_id!r} was not preempted: it still holds KV slot {sequence.slot}.")
-        if tokens is not None:
-            sequence.tokens = list(tokens)
-        sequence.slot, sequence.computed = self.slots.acquire(seq_id), 0
+        checked = None if tokens is None else self._checked_prompt(tokens)
+        if checked is not None and len(checked) < sequence.prompt_len:
+            raise InputError(
+                f"sequence {seq_id!r} resumes with {len(checked)} tokens, fewer than its {sequence.prompt_len}-token "
+                "prompt: pass every token so far (the prompt, then the tokens it sampled)."
+            )
+        slot = self.slots.acquire(seq_id)
+        if checked is not None:
+            sequence.tokens = checked
+        sequence.slot, sequence.computed = slot, 0
         return sequence
 
     # --- one step -------------------------------------------------------------------------------
