@@ -6,7 +6,8 @@ Its whole API is what ``generate()`` and the vLLM runner need:
 * `Engine.step` with how many pending tokens of which sequences to feed: the engine runs the
   token-generation graph once for every sequence that is decoding, then the prefill graph for each
   prefill range (split into chunks, the last one padded), samples, and says what it produced (tokens,
-  and the logits, logprobs and prompt logprobs its sequences ask for);
+  and the logits, logprobs and prompt logprobs its sequences ask for), atomically: a step that raises leaves every
+  sequence as it was;
 * `Engine.release` a sequence (or `preempt` / `resume` it, as vLLM does under memory pressure).
 
 Positions, padding, chunking, graph choice and sampling are decided here (with `padding`, `sampling` and
@@ -35,7 +36,7 @@ from .logprobs import PromptScorer, token_logprobs
 from .padding import decode_rows, pad_chunk, pad_image_rows, pad_tiles, split_chunks
 from .parallel import tensor_parallel_rank
 from .sampling import HostSampler, SamplingParams, SequenceSampler, sample_on_host, sampling_tensors
-from .sequence import SeqId, Sequence, StepResult
+from .sequence import Checkpoint, SeqId, Sequence, StepResult
 from .slots import SlotTable
 
 GraphCall = tuple[GraphSpec, int]
@@ -180,8 +181,25 @@ class Engine:
         """Feed ``work[seq_id]`` pending tokens of each sequence: one token-generation call for every
         sequence that is decoding, then the prefill graph for every other range. Returns the tokens
         sampled, and the logits, logprobs and prompt logprobs asked for. ``sampler`` picks the tokens of the
-        sequences whose parameters carry its own (vLLM's sampler), all of them in one call at the end."""
+        sequences whose parameters carry its own (vLLM's sampler), all of them in one call at the end.
+
+        Atomic: it returns, or raises leaving every sequence exactly as before the call (tokens, ``computed``,
+        generator state, prompt scorer, cached image rows: a `Checkpoint` of each scheduled sequence is restored), so
+        the same step can be retried. Cache rows a failed step wrote lie at or past each sequence's restored
+        ``computed``, where nothing reads before the retry writes them again."""
         decodes, prefills = self._plan(work, sampler)
+        saved = [Checkpoint.of(s) for s in (*decodes, *(s for s, _ in prefills))]
+        try:
+            return self._run(decodes, prefills, sampler)
+        except BaseException:
+            for checkpoint in saved:
+                checkpoint.restore()
+            raise
+
+    def _run(
+        self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]], sampler: HostSampler | None
+    ) -> StepResult:
+        """The body of `step`, on the work `_plan` accepted."""
         result = StepResult()
         host: HostRows = {}
         if decodes:
