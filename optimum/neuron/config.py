@@ -84,7 +84,9 @@ class NeuronConfig:
     for a text-only model; an image-text model's export defaults it to as many of the largest images as fit in
     sequence_length (at least 1)."""
     backend: str = "inductor"
-    """Compile backend: ``inductor`` (AOTInductor packages), ``eager`` (reference), ``xla``, ``neuron``."""
+    """Compile backend: ``inductor`` (AOTInductor packages), ``eager`` (reference), ``xla`` (HLO modules, needs
+    .venv-xla), ``neuron`` (NOT AVAILABLE in this release: it needs the AWS Neuron SDK, torch-neuronx, and refuses
+    every export; for Neuron devices use ``--backend xla --device neuron``)."""
     device: str = "cpu"
     """Device the graphs run on: ``cpu``; ``cuda`` (inductor/eager: written, not yet run on a GPU, see
     docs/cuda.md); ``neuron`` (xla or neuron backend, not verified)."""
