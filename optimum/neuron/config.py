@@ -96,7 +96,9 @@ class NeuronConfig:
     (for comparison, and every other dtype, backend and device); ``auto``, ``packed`` where it applies, else ``aten``.
     The artifact stores the checkpoint's layout either way (docs/architecture.md, "Linear layers on the CPU")."""
     backend: str = "inductor"
-    """Compile backend: ``inductor`` (AOTInductor packages), ``eager`` (reference), ``xla``, ``neuron``."""
+    """Compile backend: ``inductor`` (AOTInductor packages), ``eager`` (reference), ``xla`` (HLO modules, needs
+    .venv-xla), ``neuron`` (NOT AVAILABLE in this release: it needs the AWS Neuron SDK, torch-neuronx, and refuses
+    every export; for Neuron devices use ``--backend xla --device neuron``)."""
     device: str = "cpu"
     """Device the graphs run on: ``cpu``; ``cuda`` (inductor/eager: written, not yet run on a GPU, see
     docs/cuda.md); ``neuron`` (xla or neuron backend, not verified)."""

@@ -47,8 +47,8 @@ class Answer:
 
 def prepare_artifact() -> Path:
     """Convert SmolLM2 (cached) and export it (export cache); returns the artifact directory."""
-    from ..exporters.neuron.cache import cache_root
     from ..exporters.neuron.export import export
+    from .cache_dir import cache_root
     from .config import NeuronConfig
     from .smollm2 import convert_smollm2, default_smollm2_dir
 

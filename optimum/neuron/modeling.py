@@ -13,7 +13,7 @@ from .errors import InputError
 from .runtime.engine import Engine
 from .runtime.generate import generate, score_prompts
 from .runtime.images import ImageInput
-from .runtime.sampling import SamplingParams
+from .runtime.sampling import SamplingParams, checked_count, normalized_top_k
 
 
 class NeuronModelForCausalLM:
@@ -50,7 +50,9 @@ class NeuronModelForCausalLM:
         **unsupported: Any,
     ) -> Any:
         """Generate like ``transformers``' ``generate``: returns ``[N, L + new]``, the input ids followed
-        by the new tokens, rows that stopped early filled with ``pad_token_id``. ``input_ids`` may be
+        by the new tokens, rows that stopped early filled with ``pad_token_id``. ``max_new_tokens`` (default 20) must be
+        >= 1, as transformers requires. Every argument is checked before anything is held (`InputError`, naming it).
+        ``input_ids`` may be
         left- or right-padded when ``attention_mask`` marks the real tokens. ``seed`` makes sampling
         reproducible (row i uses ``seed + i``). ``num_return_sequences`` generates that many rows per prompt,
         each a sequence of its own (consecutive rows). With ``return_dict_in_generate`` it returns transformers'
@@ -62,20 +64,21 @@ class NeuronModelForCausalLM:
         if unsupported:
             raise InputError(f"generate() does not support {sorted(unsupported)} on compiled graphs.")
         gen = self.generation_config
-        params = SamplingParams(
+        params = SamplingParams(  # it refuses, naming the parameter, any value of the wrong type or range
             do_sample=_pick(do_sample, gen, "do_sample", False),
-            temperature=float(_pick(temperature, gen, "temperature", 1.0)),
-            top_k=int(_pick(top_k, gen, "top_k", 0) or 0),
-            top_p=float(_pick(top_p, gen, "top_p", 1.0)),
+            temperature=_pick(temperature, gen, "temperature", 1.0),
+            top_k=normalized_top_k(_pick(top_k, gen, "top_k", None)),
+            top_p=_pick(top_p, gen, "top_p", 1.0),
             seed=seed,
-            return_logits=return_dict_in_generate and (output_scores or output_logits),
+            return_logits=bool(return_dict_in_generate and (output_scores or output_logits)),
         )
+        num_return_sequences = checked_count("num_return_sequences", num_return_sequences)
         eos = _id_set(_pick(eos_token_id, gen, "eos_token_id", None))
         pad = _pick(pad_token_id, gen, "pad_token_id", None)
         pad = int(pad if pad is not None else (min(eos) if eos else 0))
         prompts = [p for p in _real_tokens(input_ids, attention_mask) for _ in range(num_return_sequences)]
         rows = [i for i in images for _ in range(num_return_sequences)] if images is not None else None
-        out = generate(self.engine, prompts, int(max_new_tokens or 20), params, eos, rows)
+        out = generate(self.engine, prompts, 20 if max_new_tokens is None else max_new_tokens, params, eos, rows)
         width = max(len(t) for t in out.tokens)
         tail = torch.full((len(prompts), width), pad, dtype=torch.long)
         for row, tokens in enumerate(out.tokens):

@@ -75,7 +75,7 @@ def gguf_path() -> Path:
 def default_smollm2_dir(dtype: str = "float32") -> Path:
     """Where the converted checkpoint of ``dtype`` lives: ``$OPTIMUM_NEURON_CACHE/models/smollm2-135m-instruct``
     for fp32 (the folder ``make smollm2`` writes), with a ``-bf16`` / ``-fp16`` suffix for other dtypes."""
-    from ..exporters.neuron.cache import cache_root
+    from .cache_dir import cache_root
 
     short, _ = resolve_dtype(dtype)
     suffix = "" if short == "fp32" else f"-{short}"

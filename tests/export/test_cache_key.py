@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from optimum.exporters.neuron import cache as export_cache
 from optimum.exporters.neuron import export as export_module
 from optimum.exporters.neuron.cache import GRAPH_SOURCES, PACKAGE_ROOT, code_fingerprint, sources_fingerprint
+from optimum.neuron import cache_dir
 from optimum.neuron.config import NeuronConfig
 from tests.fixtures.llm.models import tiny_model
 
@@ -35,6 +37,7 @@ HITS = [
     "neuron/demo.py",
     "neuron/modeling.py",
     "neuron/smollm2.py",
+    "neuron/cache_dir.py",
 ]
 
 
@@ -96,3 +99,11 @@ def test_export_cache_hits_and_misses(sources: Path, tmp_path: Path, monkeypatch
     assert exports() == 1, "a runtime edit recompiled"
     edit_code(sources / "exporters/neuron/export.py")
     assert exports() == 2, "an exporter edit reused a stale export"
+
+
+def test_the_cache_location_rule_lives_outside_the_exporter() -> None:
+    """One cache-location rule (`optimum.neuron.cache_dir`): the exporter uses it, and the runtime-side tools find the
+    cache without importing the exporter's cache module."""
+    assert export_cache.cache_root is cache_dir.cache_root and export_cache.cache_lock is cache_dir.cache_lock
+    for name in ("smollm2.py", "demo.py"):
+        assert "exporters.neuron.cache" not in (PACKAGE_ROOT / "neuron" / name).read_text(), name

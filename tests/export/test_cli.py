@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from optimum.exporters.neuron.__main__ import add_export_arguments
-from optimum.exporters.neuron.cache import cache_root
 from optimum.exporters.neuron.export import export
 from optimum.neuron import NeuronConfig, NeuronModelForCausalLM
+from optimum.neuron.cache_dir import cache_root
 from optimum.neuron.config import CHOICES, config_fields, field_docs, flag
 from tests.fixtures.cli import assert_refused, check_round_trip, export_llama, run_cli
 from tests.fixtures.llm.models import tiny_model
@@ -172,3 +172,12 @@ def test_flags_are_made_from_the_config() -> None:
 def test_every_config_field_has_a_docstring() -> None:
     assert set(field_docs()) == {f.name for f in dataclasses.fields(NeuronConfig)}
     assert all(len(doc) > 20 for doc in field_docs().values())
+
+
+def test_help_shows_the_neuron_backend_as_unavailable() -> None:
+    """``optimum-cli export neuron --help`` offers ``neuron`` among the backends but says it is not available."""
+    done = run_cli("optimum-cli", "--help")
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    backend = text[text.rindex("--backend {") : text.rindex("--device {")]  # its help, not the usage line
+    assert "neuron" in backend and "NOT AVAILABLE in this release" in backend, backend

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from functools import cache
+from typing import Any
 
 import pytest
 import torch
@@ -166,3 +167,48 @@ def test_optimum_cli_exports_an_image_text_model(tmp_path) -> None:
         "optimum-cli", "--model", str(tiny_model("llama")), *flags, "--max_images", "2", str(tmp_path / "t")
     )
     assert refused.returncode == 2 and "apply to image-text models only" in refused.stdout + refused.stderr
+
+
+def test_a_failed_step_restores_the_cached_image_rows() -> None:
+    """`Engine.step` is atomic for the image cache too: a step that consumed the first image's cached rows and encoded
+    the second's, then failed in its last prefill chunk, leaves the cache as before (the first image's rows, the very
+    tensor); retried, the request generates transformers' tokens."""
+    model = loaded(8)
+    engine = model.engine
+    batch = inputs(["hello <image> and <image> what"], [[0, 1]])
+    images = model.images_of(batch["input_ids"], None, batch["pixel_values"], batch["pixel_attention_mask"])[0]
+    graphs = dict(engine.graphs)
+    engine.admit("atomic", batch["input_ids"][0].tolist(), SamplingParams(), images)
+    try:
+        engine.step({"atomic": images[0].positions[0] + 2})  # part of the first image's rows
+        sequence = engine.sequence("atomic")
+        assert sequence.images is not None
+        cached, computed, rest = dict(sequence.images.cache), sequence.computed, sequence.pending
+        assert list(cached) == [0]
+        last, calls = -(-rest // engine.chunk_size), []  # the step's last prefill call, the calls so far
+
+        def failing(graph: Any) -> Any:
+            def call(*args: Any) -> Any:
+                out = graph(*args)
+                calls.append(1)
+                if len(calls) == last:
+                    raise RuntimeError("injected")
+                return out
+
+            return call
+
+        for name, spec in engine.specs.items():
+            if spec.kind is engine.prefill_kind:
+                engine.graphs[name] = failing(engine.graphs[name])
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step({"atomic": rest})
+        assert sequence.computed == computed and sequence.pending == rest and not sequence.generated
+        assert sequence.images.cache.keys() == cached.keys() and sequence.images.cache[0] is cached[0]
+        engine.graphs.update(graphs)
+        engine.step({"atomic": rest})
+        while len(sequence.generated) < 8:
+            engine.step({"atomic": 1})
+        assert sequence.generated == transformers_tokens(batch)[0]
+    finally:
+        engine.release("atomic")
+        engine.graphs.update(graphs)

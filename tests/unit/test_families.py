@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum.neuron.errors import UnsupportedModelError
 from optimum.neuron.models.base import StaticDecoder
-from optimum.neuron.models.family import layer_windows
+from optimum.neuron.models.family import Family, layer_windows, transformers_rotary
 from optimum.neuron.models.layers.moe import SparseMoeBlock
 from optimum.neuron.models.registry import build_decoder, family_for
 
@@ -149,3 +149,47 @@ def test_sliding_layers_without_a_window_are_refused() -> None:
     hf_config.layer_types = ["sliding_attention"] * hf_config.num_hidden_layers
     with pytest.raises(UnsupportedModelError, match="sliding_window"):
         ours(hf_config)
+
+
+FAMILY_CONFIGS = {
+    "llama": {"model_type": "llama"},
+    "qwen2": {"model_type": "qwen2"},
+    "qwen3": {"model_type": "qwen3", "head_dim": 8},
+    "mistral": {"model_type": "mistral"},
+    "gemma3": {"model_type": "gemma3_text", "head_dim": 8},
+    "phi3": {"model_type": "phi3"},
+    "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 8},
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_default_rotary_and_biases_are_transformers(name: str) -> None:
+    """The defaults every family relies on build transformers' own rotary class and its attention biases."""
+    fields = {**SMALL, "num_hidden_layers": 2, **FAMILY_CONFIGS[name]}
+    hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    family = family_for(hf_config)
+    model = theirs(hf_config)
+    assert type(family.rotary(hf_config)) is type(model.model.rotary_emb)
+    attention = model.model.layers[0].self_attn
+    q_proj = attention.qkv_proj if family.fused_qkv else attention.q_proj
+    assert family.qkv_bias(hf_config) == (q_proj.bias is not None)
+    assert family.o_bias(hf_config) == (attention.o_proj.bias is not None)
+
+
+def test_a_family_states_only_what_differs() -> None:
+    """A `Family` given only its name gets the common case: transformers' rotary module found by name, the
+    config's ``attention_bias``, the rope check, the config's own layer types."""
+    family = Family(name="new", model_types=("new",))
+    hf_config = configs("qwen3-sliding", attention_bias=True)
+    assert type(family.rotary(hf_config)).__name__ == "Qwen3RotaryEmbedding"
+    assert family.qkv_bias(hf_config) and family.o_bias(hf_config)
+    assert family.layer_types(hf_config) == list(hf_config.layer_types)
+    hf_config.rope_parameters = {"rope_type": "unknown-kind"}
+    with pytest.raises(UnsupportedModelError, match="rope_type"):
+        family.check(hf_config, 64)
+
+
+def test_a_model_without_one_rotary_class_is_refused_naming_the_hook() -> None:
+    bert_like = type("BertLikeConfig", (), {"__module__": "transformers.models.bert.configuration_bert"})
+    with pytest.raises(UnsupportedModelError, match=r"Family\.rotary"):  # modeling_bert defines no rotary module
+        transformers_rotary(bert_like())

@@ -9,7 +9,14 @@ import torch
 
 from optimum.neuron.errors import InputError
 from optimum.neuron.models.layers.sampling import _NEG, sample_tokens
-from optimum.neuron.runtime.sampling import SamplingParams, SequenceSampler, sample_on_host, sampling_tensors
+from optimum.neuron.runtime.sampling import (
+    NO_TOP_K,
+    SamplingParams,
+    SequenceSampler,
+    normalized_top_k,
+    sample_on_host,
+    sampling_tensors,
+)
 
 # Vocabulary of 5 where token 3 has p=0.5, token 0 p=0.3, token 4 p=0.2 (tokens 1 and 2 p=0).
 PROBS = torch.tensor([0.3, 0.0, 0.0, 0.5, 0.2])
@@ -38,6 +45,17 @@ def sample(uniform: float, top_k: int = 5, top_p: float = 1.0, temperature: floa
         {"top_p": 0.0},
         {"top_p": 1.5},
         {"top_p": math.nan},
+        {"temperature": "0.7"},
+        {"top_p": "1"},
+        {"top_k": -2},
+        {"top_k": 3.0},
+        {"seed": 1.5},
+        {"seed": -1},
+        {"seed": 2**63},
+        {"seed": 2**64},
+        {"max_tokens": 0},
+        {"logprobs": True},
+        {"return_logits": "yes"},
     ],
 )
 def test_invalid_params_raise_input_error(kwargs: dict) -> None:
@@ -63,6 +81,22 @@ def test_greedy_resolution(params: SamplingParams, greedy: bool) -> None:
 @pytest.mark.parametrize(("top_k", "expected"), [(0, 64), (-1, 64), (10, 10), (64, 64)])
 def test_top_k_up_to_max_topk(top_k: int, expected: int) -> None:
     assert SamplingParams(do_sample=True, top_k=top_k, temperature=0.5, top_p=0.9).resolve(64) == (0.5, expected, 0.9)
+
+
+@pytest.mark.parametrize(("given", "stored"), [(None, NO_TOP_K), (0, NO_TOP_K), (-1, NO_TOP_K), (7, 7), (-2, -2)])
+def test_no_top_k_filter_has_one_rule(given: object, stored: object) -> None:
+    """None (transformers), 0 and -1 (vLLM) all mean no top-k filter; other values are left to SamplingParams."""
+    assert normalized_top_k(given) == stored
+    if stored != -2:
+        assert SamplingParams(do_sample=True, top_k=given).top_k == stored  # type: ignore[arg-type]
+
+
+def test_values_are_stored_as_plain_python_types() -> None:
+    import numpy as np
+
+    params = SamplingParams(do_sample=True, temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int64(2**63 - 1))
+    assert (type(params.temperature), type(params.top_k), type(params.seed)) == (float, int, int)
+    assert params.seed == 2**63 - 1
 
 
 def test_top_k_above_max_topk_is_refused_naming_the_flag() -> None:

@@ -1,4 +1,4 @@
-"""Where compiled artifacts are cached, and the code fingerprint that keys them.
+"""The code fingerprint that keys the export cache (where the cache lives: `optimum.neuron.cache_dir`).
 
 The export cache key (`NeuronConfig.cache_key`) hashes the config, the checkpoint's files, the backend's
 versions and `code_fingerprint`: the sources that shape a compiled graph or the files written beside it,
@@ -10,15 +10,13 @@ artifact format or the exporter recompiles.
 from __future__ import annotations
 
 import ast
-import fcntl
 import hashlib
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
-_DEFAULT = Path.home() / ".cache" / "optimum-neuron"
+from ...neuron.cache_dir import cache_lock, cache_root
+
+__all__ = ["GRAPH_SOURCES", "PACKAGE_ROOT", "cache_lock", "cache_root", "code_fingerprint", "sources_fingerprint"]
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 """The ``optimum`` folder this toolkit is imported from."""
 GRAPH_SOURCES = (
@@ -32,27 +30,6 @@ GRAPH_SOURCES = (
     "exporters/neuron",
 )
 """What `code_fingerprint` hashes, relative to `PACKAGE_ROOT`: folders (their ``*.py``) and files."""
-
-
-def cache_root() -> Path:
-    """``$OPTIMUM_NEURON_CACHE`` or ``~/.cache/optimum-neuron``; also hosts inductor's own cache."""
-    root = Path(os.environ.get("OPTIMUM_NEURON_CACHE", _DEFAULT))
-    root.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
-    return root
-
-
-@contextmanager
-def cache_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on the lock file ``path`` (created if needed) across processes: one process
-    builds a cache entry while the others wait, then find it built."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @lru_cache(maxsize=1)

@@ -27,6 +27,7 @@ from ...neuron.artifact import (
     write_manifest,
 )
 from ...neuron.backends import get_backend
+from ...neuron.cache_dir import cache_lock, cache_root
 from ...neuron.config import CONFIG_FILE, NeuronConfig
 from ...neuron.errors import UnsupportedModelError, WeightLoadingError
 from ...neuron.graphs import GraphSpec, example_inputs, graph_args, graph_specs, image_row_inputs, window_dims
@@ -35,7 +36,7 @@ from ...neuron.models.image_text import fit_images
 from ...neuron.models.registry import image_text_family, language_config, served_config, supported_model_types
 from ...neuron.progress import StepProgress
 from ...neuron.weights import constants_of, map_state_dict, read_checkpoint
-from .cache import cache_lock, cache_root, code_fingerprint
+from .cache import code_fingerprint
 from .parallel import tracing_group
 
 _HF_FILES = (

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache_dir import cache_lock, cache_root
 from ..errors import BackendUnavailableError
 
 PANEL = 16
@@ -76,8 +77,6 @@ def load() -> None:
         if _loaded:
             return
         from torch.utils import cpp_extension
-
-        from ...exporters.neuron.cache import cache_lock, cache_root
 
         key = _build_key()
         build = cache_root() / "kernels" / key

@@ -1,13 +1,19 @@
 """`Family`: what distinguishes one model family's static decoder from the common one.
 
+Every hook has the common case as its default, so a family states only what differs from it: transformers'
+rotary module found by name in the model's own modeling module (`transformers_rotary`), q/k/v and output biases
+as the config's ``attention_bias`` says, `checks.check_rope`, the layer types transformers gives the config.
+
 Layer types follow transformers' vocabulary: ``"full_attention"`` or ``"sliding_attention"`` per layer,
-either read from the config's ``layer_types`` (qwen2, qwen3, Gemma 3: `per_layer_types`) or the same for
-every layer, sliding when the config sets ``sliding_window`` (mistral, Phi-3, Qwen3-MoE: `uniform_layer_types`).
+read from the config's ``layer_types`` when it has them (qwen2, qwen3, Gemma 3 derive them), else the same
+for every layer, sliding when the config sets ``sliding_window`` (`per_layer_types`). mistral, Phi-3 and Qwen3-MoE
+state `uniform_layer_types`: transformers applies one mask to their whole model, whatever ``layer_types`` says.
 A sliding layer attends to the ``sliding_window`` positions ending at its query's (`layer_windows`).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from .checks import check_rope
 from .layers.norm import RMSNorm
 
 FULL_ATTENTION = "full_attention"
@@ -23,13 +30,38 @@ SLIDING_ATTENTION = "sliding_attention"
 StateRule = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
-def no_config_check(hf_config: Any, sequence_length: int) -> None:
-    """Families with nothing to refuse."""
+def transformers_rotary(hf_config: Any) -> nn.Module:
+    """transformers' rotary module for ``hf_config``: the one ``*RotaryEmbedding`` class defined in the modeling module
+    beside the config's class (``transformers.models.llama.configuration_llama.LlamaConfig`` ->
+    ``modeling_llama.LlamaRotaryEmbedding``), the source of the exact ``inv_freq``."""
+    name = type(hf_config).__module__.replace(".configuration_", ".modeling_")
+    module = importlib.import_module(name)
+    found = [
+        value
+        for key, value in vars(module).items()
+        if key.endswith("RotaryEmbedding") and isinstance(value, type) and value.__module__ == name
+    ]
+    if len(found) != 1:
+        raise UnsupportedModelError(
+            f"{name} defines {len(found)} *RotaryEmbedding classes, not one: give the family its rotary module "
+            "(Family.rotary)."
+        )
+    return found[0](hf_config)
+
+
+def config_attention_bias(hf_config: Any) -> bool:
+    """The config's ``attention_bias`` (False when it has none)."""
+    return bool(getattr(hf_config, "attention_bias", False))
+
+
+def no_bias(hf_config: Any) -> bool:
+    """No bias, whatever the config says (transformers' module has none)."""
+    return False
 
 
 def uniform_layer_types(hf_config: Any) -> list[str]:
     """Every layer sliding when the config sets ``sliding_window``, else full (how mistral, Phi-3 and
-    Qwen3-MoE choose their mask: one mask function for the whole model)."""
+    Qwen3-MoE choose their mask: one mask function for the whole model; their configs have no ``layer_types``)."""
     sliding = getattr(hf_config, "sliding_window", None) is not None
     return [SLIDING_ATTENTION if sliding else FULL_ATTENTION] * hf_config.num_hidden_layers
 
@@ -47,17 +79,17 @@ class Family:
 
     name: str
     model_types: tuple[str, ...]
-    rotary: Callable[[Any], nn.Module]
+    rotary: Callable[[Any], nn.Module] = transformers_rotary
     """Builds transformers' rotary module for a config (source of the exact ``inv_freq``)."""
-    qkv_bias: Callable[[Any], bool]
+    qkv_bias: Callable[[Any], bool] = config_attention_bias
     """Whether q/k/v projections carry a bias."""
-    o_bias: Callable[[Any], bool] = lambda cfg: False
+    o_bias: Callable[[Any], bool] = config_attention_bias
     """Whether the attention output projection carries a bias."""
     qk_norm: bool = False
     """RMSNorm (of the family's `norm` kind) on q and k per head before rope (qwen3, Gemma 3)."""
-    check: Callable[[Any, int], None] = no_config_check
-    """Refuses configs the static decoder would compute differently from transformers."""
-    layer_types: Callable[[Any], list[str]] = uniform_layer_types
+    check: Callable[[Any, int], None] = check_rope
+    """``(config, sequence_length)``: refuses configs the static decoder would compute differently from transformers."""
+    layer_types: Callable[[Any], list[str]] = per_layer_types
     """Each layer's attention type (`FULL_ATTENTION` or `SLIDING_ATTENTION`), as transformers decides it."""
     norm: Callable[[int, float], nn.Module] = RMSNorm
     """The RMSNorm kind, ``(size, eps) -> module`` (Gemma: ``1 + weight``)."""

@@ -24,16 +24,10 @@ from torch import nn
 from ..weights import text_tower
 from .base import DecoderLayer
 from .checks import check_rope, refuse_set
-from .family import Family, per_layer_types
+from .family import Family
 from .layers.attention import AttentionContext
 from .layers.mlp import GatedMLP
 from .layers.norm import OffsetRMSNorm
-
-
-def _rotary(hf_config: Any) -> nn.Module:
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
-
-    return Gemma3RotaryEmbedding(hf_config)
 
 
 class Gemma3DecoderLayer(DecoderLayer):
@@ -77,12 +71,8 @@ def _text_config(hf_config: Any) -> Any:
 GEMMA3 = Family(
     name="gemma3",
     model_types=("gemma3_text",),
-    rotary=_rotary,
-    qkv_bias=lambda cfg: bool(cfg.attention_bias),
-    o_bias=lambda cfg: bool(cfg.attention_bias),
     qk_norm=True,
     check=_check,
-    layer_types=per_layer_types,
     norm=OffsetRMSNorm,
     mlp=_mlp,
     layer=Gemma3DecoderLayer,

@@ -10,26 +10,13 @@ rotates the first channels of each head only; ``longrope`` is exact up to
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
-
-from .checks import check_rope
-from .family import Family, uniform_layer_types
-
-
-def _rotary(hf_config: Any) -> nn.Module:
-    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
-
-    return Phi3RotaryEmbedding(hf_config)
-
+from .family import Family, no_bias, uniform_layer_types
 
 PHI3 = Family(
     name="phi3",
     model_types=("phi3",),
-    rotary=_rotary,
-    qkv_bias=lambda cfg: False,
-    check=check_rope,
+    qkv_bias=no_bias,
+    o_bias=no_bias,
     layer_types=uniform_layer_types,
     fused_qkv=True,
 )

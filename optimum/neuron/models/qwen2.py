@@ -4,25 +4,6 @@
 
 from __future__ import annotations
 
-from typing import Any
+from .family import Family, no_bias
 
-from torch import nn
-
-from .checks import check_rope
-from .family import Family, per_layer_types
-
-
-def _rotary(hf_config: Any) -> nn.Module:
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
-
-    return Qwen2RotaryEmbedding(hf_config)
-
-
-QWEN2 = Family(
-    name="qwen2",
-    model_types=("qwen2",),
-    rotary=_rotary,
-    qkv_bias=lambda cfg: True,
-    check=check_rope,
-    layer_types=per_layer_types,
-)
+QWEN2 = Family(name="qwen2", model_types=("qwen2",), qkv_bias=lambda cfg: True, o_bias=no_bias)

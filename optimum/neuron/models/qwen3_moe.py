@@ -12,16 +12,9 @@ from typing import Any
 from torch import nn
 
 from ..weights import stack_experts
-from .checks import check_rope
 from .family import Family, uniform_layer_types
 from .layers.mlp import GatedMLP
 from .layers.moe import SparseMoeBlock
-
-
-def _rotary(hf_config: Any) -> nn.Module:
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
-
-    return Qwen3MoeRotaryEmbedding(hf_config)
 
 
 def is_sparse(hf_config: Any, index: int) -> bool:
@@ -48,11 +41,7 @@ def _mlp(hf_config: Any, index: int) -> nn.Module:
 QWEN3_MOE = Family(
     name="qwen3_moe",
     model_types=("qwen3_moe",),
-    rotary=_rotary,
-    qkv_bias=lambda cfg: bool(getattr(cfg, "attention_bias", False)),
-    o_bias=lambda cfg: bool(getattr(cfg, "attention_bias", False)),
     qk_norm=True,
-    check=check_rope,
     layer_types=uniform_layer_types,
     mlp=_mlp,
     checkpoint_rules=(stack_experts,),

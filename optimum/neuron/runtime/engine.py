@@ -2,11 +2,12 @@
 
 Its whole API is what ``generate()`` and the vLLM runner need:
 
-* `Engine.admit` a prompt under a caller's id (a KV slot is taken, the prompt and sampling checked);
+* `Engine.admit` a prompt under a caller's id (the prompt and sampling checked, then a KV slot taken, last);
 * `Engine.step` with how many pending tokens of which sequences to feed: the engine runs the
   token-generation graph once for every sequence that is decoding, then the prefill graph for each
   prefill range (split into chunks, the last one padded), samples, and says what it produced (tokens,
-  and the logits, logprobs and prompt logprobs its sequences ask for);
+  and the logits, logprobs and prompt logprobs its sequences ask for), atomically: a step that raises leaves every
+  sequence as it was;
 * `Engine.release` a sequence (or `preempt` / `resume` it, as vLLM does under memory pressure).
 
 Positions, padding, chunking, graph choice and sampling are decided here (with `padding`, `sampling` and
@@ -35,7 +36,7 @@ from .logprobs import PromptScorer, token_logprobs
 from .padding import decode_rows, pad_chunk, pad_image_rows, pad_tiles, split_chunks
 from .parallel import tensor_parallel_rank
 from .sampling import HostSampler, SamplingParams, SequenceSampler, sample_on_host, sampling_tensors
-from .sequence import SeqId, Sequence, StepResult
+from .sequence import Checkpoint, SeqId, Sequence, StepResult
 from .slots import SlotTable
 
 GraphCall = tuple[GraphSpec, int]
@@ -102,23 +103,25 @@ class Engine:
     def admit(self, seq_id: SeqId, prompt: Seq[int], params: SamplingParams, images: Seq[ImageInput] = ()) -> Sequence:
         """Take a KV slot for a new sequence (with the ``images`` whose rows its prompt's placeholders take, for an
         image-text artifact). `InputError` for a prompt, images or sampling the artifact cannot serve, `SlotError`
-        when every slot is taken; nothing is held after an error."""
+        when every slot is taken. Everything that can fail runs before the slot is taken, last: nothing is held
+        after an error."""
         if seq_id in self._sequences:
             raise InputError(f"sequence {seq_id!r} is already admitted: release it first, or use another id.")
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"params must be a SamplingParams, got {type(params).__name__}.")
         tokens = self._checked_prompt(prompt)
         if self.image_limits is not None:
             check_images(tokens, images, self.image_limits)
         elif images:
             raise InputError("this artifact is text-only: export an image-text model to send images.")
-        if params.host is None:  # a HostSampler applies its own top-k
-            params.check(self.config.max_topk)
+        params.check(self.config.max_topk, self.hf_config.vocab_size)
         params.check_graphs(self.config)
-        slot = self.slots.acquire(seq_id)
-        sequence = Sequence(seq_id, slot, tokens, len(tokens), self.config.sequence_length, SequenceSampler(params))
-        if params.prompt_logprobs is not None:
-            sequence.scorer = PromptScorer(list(tokens), params.prompt_logprobs)
-        if self.image_limits is not None:
-            sequence.images = SequenceImages(list(images))
+        sampler = SequenceSampler(params)
+        scorer = None if params.prompt_logprobs is None else PromptScorer(list(tokens), params.prompt_logprobs)
+        pictures = None if self.image_limits is None else SequenceImages(list(images))
+        slot = self.slots.acquire(seq_id)  # last: nothing after it can fail
+        capacity = self.config.sequence_length
+        sequence = Sequence(seq_id, slot, tokens, len(tokens), capacity, sampler, scorer=scorer, images=pictures)
         self._sequences[seq_id] = sequence
         return sequence
 
@@ -155,13 +158,21 @@ class Engine:
 
     def resume(self, seq_id: SeqId, tokens: Seq[int] | None = None) -> Sequence:
         """Give a preempted sequence a slot again, from cache position 0; ``tokens`` replaces its token
-        list when given (vLLM sends every token so far)."""
+        list when given (vLLM sends every token so far: they pass `admit`'s prompt checks and hold at least the
+        prompt). Nothing changes after an error."""
         sequence = self.sequence(seq_id)
         if sequence.slot is not None:
             raise InputError(f"sequence {seq_id!r} was not preempted: it still holds KV slot {sequence.slot}.")
-        if tokens is not None:
-            sequence.tokens = list(tokens)
-        sequence.slot, sequence.computed = self.slots.acquire(seq_id), 0
+        checked = None if tokens is None else self._checked_prompt(tokens)
+        if checked is not None and len(checked) < sequence.prompt_len:
+            raise InputError(
+                f"sequence {seq_id!r} resumes with {len(checked)} tokens, fewer than its {sequence.prompt_len}-token "
+                "prompt: pass every token so far (the prompt, then the tokens it sampled)."
+            )
+        slot = self.slots.acquire(seq_id)
+        if checked is not None:
+            sequence.tokens = checked
+        sequence.slot, sequence.computed = slot, 0
         return sequence
 
     # --- one step -------------------------------------------------------------------------------
@@ -170,8 +181,25 @@ class Engine:
         """Feed ``work[seq_id]`` pending tokens of each sequence: one token-generation call for every
         sequence that is decoding, then the prefill graph for every other range. Returns the tokens
         sampled, and the logits, logprobs and prompt logprobs asked for. ``sampler`` picks the tokens of the
-        sequences whose parameters carry its own (vLLM's sampler), all of them in one call at the end."""
+        sequences whose parameters carry its own (vLLM's sampler), all of them in one call at the end.
+
+        Atomic: it returns, or raises leaving every sequence exactly as before the call (tokens, ``computed``,
+        generator state, prompt scorer, cached image rows: a `Checkpoint` of each scheduled sequence is restored), so
+        the same step can be retried. Cache rows a failed step wrote lie at or past each sequence's restored
+        ``computed``, where nothing reads before the retry writes them again."""
         decodes, prefills = self._plan(work, sampler)
+        saved = [Checkpoint.of(s) for s in (*decodes, *(s for s, _ in prefills))]
+        try:
+            return self._run(decodes, prefills, sampler)
+        except BaseException:
+            for checkpoint in saved:
+                checkpoint.restore()
+            raise
+
+    def _run(
+        self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]], sampler: HostSampler | None
+    ) -> StepResult:
+        """The body of `step`, on the work `_plan` accepted."""
         result = StepResult()
         host: HostRows = {}
         if decodes:

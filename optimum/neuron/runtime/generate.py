@@ -1,6 +1,7 @@
 """HF-style generation as a thin adapter over the `Engine`: admit every prompt, prefill them all in one
 step, then one decode step at a time until each sequence stops (an EOS id, ``max_new_tokens``, or a
-full KV slot). Row ``i`` samples with ``seed + i`` when a seed is given. `score_prompts` scores texts with
+full KV slot). Row ``i`` samples with ``seed + i`` (modulo ``2**63``) when a seed is given. Every argument is
+checked before a slot is taken. `score_prompts` scores texts with
 the same engine path (prompt logprobs)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..errors import InputError
 from .engine import Engine
 from .images import ImageInput
 from .logprobs import Logprobs
-from .sampling import SamplingParams
+from .sampling import SEED_LIMIT, SamplingParams, checked_count
 from .sequence import Sequence
 
 
@@ -103,12 +104,11 @@ def _check_batch(engine: Engine, prompts: Seq[Seq[int]], max_new_tokens: int) ->
             f"{len(prompts)} prompts but only {engine.slots.free_count} free KV slots (batch_size="
             f"{engine.config.batch_size}): pass fewer prompts or re-export with a larger --batch_size."
         )
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    checked_count("max_new_tokens", max_new_tokens, note=" (transformers' generate refuses 0 too)")
 
 
 def _row_params(params: SamplingParams, row: int) -> SamplingParams:
-    return params if params.seed is None else dataclasses.replace(params, seed=params.seed + row)
+    return params if params.seed is None else dataclasses.replace(params, seed=(params.seed + row) % SEED_LIMIT)
 
 
 def _stopped(sequence: Sequence, max_new_tokens: int, eos_token_ids: set[int]) -> bool:

@@ -1,5 +1,7 @@
 """Per-request sampling parameters and the host side of hybrid sampling (invariant 6).
 
+`SamplingParams` refuses, with an `InputError` naming the parameter, every value of the wrong type or out of range
+when it is built (before an engine holds anything for it); `normalized_top_k` is the one rule for "no top-k filter".
 `SamplingParams.check` is the one ``top_k`` policy (a sampled request may not ask for more candidates
 than the artifact's ``max_topk``: refused, naming ``--max_topk``); `SamplingParams.check_graphs` refuses what
 the artifact has no graph for; `SamplingParams.resolve` is the one place that turns parameters into what the
@@ -12,7 +14,8 @@ that sampler instead, from the full logits, every step.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import numbers
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -26,6 +29,48 @@ if TYPE_CHECKING:
     from ..config import NeuronConfig
     from .sequence import Sequence
 
+NO_TOP_K = 0
+"""`SamplingParams.top_k` for "no top-k filter"."""
+SEED_LIMIT = 2**63
+"""Seeds are integers in ``[0, SEED_LIMIT)`` (what a torch generator takes, signed 64-bit)."""
+
+
+def normalized_top_k(top_k: Any) -> Any:
+    """The one "no top-k filter" rule: the spellings callers use for it, ``None`` (transformers' ``generate`` without
+    one), ``0`` and ``-1`` (vLLM's), all become `NO_TOP_K`; any other value is returned as is, for `SamplingParams` to
+    accept (an integer >= 1) or refuse."""
+    if top_k is None or (_is_int(top_k) and top_k in (0, -1)):
+        return NO_TOP_K
+    return top_k
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _checked(name: str, value: Any, ok: Callable[[Any], bool], want: str) -> Any:
+    """``value`` when ``ok``, else `InputError` naming parameter ``name`` and what it takes."""
+    if ok(value):
+        return value
+    raise InputError(f"sampling parameter {name} must be {want}; got {value!r} ({type(value).__name__}).")
+
+
+def _optional_count(name: str, value: Any, low: int, want: str) -> int | None:
+    """None, or an integer >= ``low``."""
+    return None if value is None else int(_checked(name, value, lambda v: _is_int(v) and v >= low, want))
+
+
+def checked_count(name: str, value: Any, low: int = 1, note: str = "") -> int:
+    """``value`` as an int when it is an integer >= ``low`` (not a bool, a float or a string), else `InputError` naming
+    parameter ``name`` (``note``: why, appended to the message)."""
+    if _is_int(value) and value >= low:
+        return int(value)
+    raise InputError(f"{name} must be an integer >= {low}{note}; got {value!r} ({type(value).__name__}).")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -33,11 +78,13 @@ class SamplingParams:
 
     do_sample: bool = False
     temperature: float = 1.0
-    top_k: int = 0
-    """0 or negative: no top-k filter (the sampler still draws from the artifact's ``max_topk`` most likely
-    tokens, the candidates every graph keeps); at most ``max_topk`` otherwise (`check`)."""
+    top_k: int = NO_TOP_K
+    """0 (or a spelling `normalized_top_k` reads as 0: None, -1): no top-k filter (the sampler still draws from the
+    artifact's ``max_topk`` most likely tokens, the candidates every graph keeps); at most ``max_topk`` otherwise
+    (`check`)."""
     top_p: float = 1.0
     seed: int | None = None
+    """The seed of this sequence's generator, an integer in ``[0, 2**63)``; None draws one at random."""
     logprobs: int | None = None
     """Log-probabilities returned with each sampled token (`StepResult.logprobs`): None for none, 0 for the sampled
     token's own, N for it and the N most likely tokens, -1 for the whole vocabulary."""
@@ -57,16 +104,26 @@ class SamplingParams:
     only say which logprobs to return."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.temperature < math.inf:  # also refuses NaN
-            raise InputError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InputError(f"top_p must be in (0, 1], got {self.top_p}.")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < -1):
-                raise InputError(f"{name} must be None, -1 (whole vocabulary) or a count >= 0, got {value!r}.")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise InputError(f"max_tokens must be None or a count >= 1, got {self.max_tokens!r}.")
+        """Refuse (`InputError`, naming the parameter) any value of the wrong type or out of range, and store each
+        one as the plain Python type the sampler uses (e.g. a numpy float as a float)."""
+        is_bool = lambda v: isinstance(v, bool)  # noqa: E731
+        fields = {
+            "do_sample": _checked("do_sample", self.do_sample, is_bool, "True or False"),
+            "return_logits": _checked("return_logits", self.return_logits, is_bool, "True or False"),
+            "temperature": float(
+                _checked("temperature", self.temperature, lambda v: _is_real(v) and 0 <= v < math.inf, _TEMPERATURE)
+            ),
+            "top_p": float(_checked("top_p", self.top_p, lambda v: _is_real(v) and 0 < v <= 1, _TOP_P)),
+            "top_k": int(_checked("top_k", normalized_top_k(self.top_k), lambda v: _is_int(v) and v >= 0, _TOP_K)),
+            "seed": None
+            if self.seed is None
+            else int(_checked("seed", self.seed, lambda v: _is_int(v) and 0 <= v < SEED_LIMIT, _SEED)),
+            "logprobs": _optional_count("logprobs", self.logprobs, -1, _LOGPROBS),
+            "prompt_logprobs": _optional_count("prompt_logprobs", self.prompt_logprobs, -1, _LOGPROBS),
+            "max_tokens": _optional_count("max_tokens", self.max_tokens, 1, "None or an integer >= 1"),
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
     @property
     def needs_logits(self) -> bool:
@@ -79,14 +136,22 @@ class SamplingParams:
         """True when this always picks the most likely token."""
         return not self.do_sample or self.temperature == 0 or self.top_k == 1
 
-    def check(self, max_topk: int) -> None:
-        """`InputError` when a sampled request asks for a ``top_k`` above the artifact's ``max_topk``
-        (greedy requests never use it)."""
-        if not self.greedy and self.top_k > max_topk:
+    def check(self, max_topk: int, vocab_size: int | None = None) -> None:
+        """`InputError` when a sampled request asks for a ``top_k`` above the artifact's ``max_topk`` (greedy requests
+        never use it; a `HostSampler` applies its own), or, given the model's ``vocab_size``, for more logprobs than
+        the vocabulary holds."""
+        if self.host is None and not self.greedy and self.top_k > max_topk:
             raise InputError(
                 f"top_k={self.top_k} exceeds this artifact's max_topk={max_topk}: lower top_k, or re-export with "
                 f"--max_topk {self.top_k} or more."
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if vocab_size is not None and value is not None and value > vocab_size:
+                raise InputError(
+                    f"{name}={value} exceeds this model's vocabulary of {vocab_size} tokens: ask at most {vocab_size} "
+                    "(or -1 for the whole vocabulary)."
+                )
 
     def check_graphs(self, config: NeuronConfig) -> None:
         """`InputError` when the artifact built from ``config`` has no graph these parameters need."""
@@ -124,7 +189,14 @@ class SamplingParams:
         if self.greedy:
             return 1.0, 1, 1.0
         self.check(max_topk)
-        return self.temperature, max_topk if self.top_k <= 0 else self.top_k, self.top_p
+        return self.temperature, max_topk if self.top_k == NO_TOP_K else self.top_k, self.top_p
+
+
+_TEMPERATURE = "a finite number >= 0 (0 is greedy)"
+_TOP_P = "a number in (0, 1] (1 keeps every token)"
+_TOP_K = "an integer >= 1, or 0, -1 or None for no top-k filter"
+_SEED = f"an integer in [0, 2**63) ({SEED_LIMIT - 1} at most), or None for a random one"
+_LOGPROBS = "None, -1 (the whole vocabulary) or an integer >= 0"
 
 
 @dataclass

@@ -3,7 +3,8 @@
 A `Sequence` is owned by the `Engine`: callers read it, only the engine changes it. Its fields are the
 whole bookkeeping of a sequence (there is no second copy anywhere): its KV slot, its tokens (prompt,
 then every token sampled), how many of them are in the cache, its seeded sampler, and (when its prompt logprobs
-are asked) the prompt rows scored so far.
+are asked) the prompt rows scored so far. A `Checkpoint` is what an engine step may change in it, taken before the
+step runs and put back if the step fails (`Engine.step` is atomic).
 """
 
 from __future__ import annotations
@@ -85,3 +86,47 @@ class StepResult:
     """``(seq_id, start, count)`` of every prefill range, in the order they ran."""
     encoded: list[tuple[SeqId, int]] = field(default_factory=list)
     """``(seq_id, image index)`` of every image encoded by the vision-encoder graph, in the order they ran."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What one `Engine.step` may change in a sequence, taken before the step: its length, cache progress, generator
+    state (a few KB), prompt scorer and its progress, and which image rows are cached. Cheap: no logits, cache or
+    image tensor is copied (the step only appends tokens, adds scorer parts and adds or drops cached rows)."""
+
+    sequence: Sequence
+    length: int
+    computed: int
+    generator: torch.Tensor
+    scorer: PromptScorer | None
+    scored: tuple[int, int]
+    """The scorer's ``(len(parts), scored)``."""
+    images: dict[int, torch.Tensor] | None
+
+    @classmethod
+    def of(cls, sequence: Sequence) -> Checkpoint:
+        """The state of ``sequence`` now."""
+        scorer, images = sequence.scorer, sequence.images
+        return cls(
+            sequence,
+            len(sequence.tokens),
+            sequence.computed,
+            sequence.sampler.generator.get_state(),
+            scorer,
+            (0, 0) if scorer is None else (len(scorer.parts), scorer.scored),
+            None if images is None else dict(images.cache),
+        )
+
+    def restore(self) -> None:
+        """Put the sequence back as it was when the checkpoint was taken."""
+        sequence, scorer, images = self.sequence, self.scorer, self.sequence.images
+        del sequence.tokens[self.length :]
+        sequence.computed = self.computed
+        sequence.sampler.generator.set_state(self.generator)
+        sequence.scorer = scorer
+        if scorer is not None:
+            del scorer.parts[self.scored[0] :]
+            scorer.scored = self.scored[1]
+        if images is not None and self.images is not None:
+            images.cache.clear()
+            images.cache.update(self.images)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..config import NeuronConfig
 from ..errors import InputError
-from ..runtime.sampling import SamplingParams
+from ..runtime.sampling import SamplingParams, normalized_top_k
 from . import compat
 
 _REFUSED: dict[str, Any] = {
@@ -55,7 +55,7 @@ def to_sampling_params(params: Any) -> SamplingParams:
     return SamplingParams(
         do_sample=not greedy,
         temperature=1.0 if greedy else float(params.temperature),
-        top_k=max(int(params.top_k), 0),
+        top_k=normalized_top_k(params.top_k),
         top_p=float(params.top_p),
         seed=params.seed,
         logprobs=params.logprobs,

@@ -2,14 +2,51 @@
 (on-device sampling) and on the host for prefill logits (hybrid sampling, invariant 6).
 
 It is a pure function: randomness comes in as one uniform per row, drawn by the caller from a
-seeded generator, so the same seed gives the same tokens on every backend and path.
+seeded generator, so the same seed gives the same tokens on every backend and path. `kept_candidates` is
+the one top-k / top-p rule: `sample_tokens` draws from the candidates it keeps, `processed_scores` shows them.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 _NEG = -1.0e30  # finite large negative in fp32: never the dtype minimum (invariant 7)
+
+
+class Candidates(NamedTuple):
+    """The ``k`` candidates of each row, best first (`kept_candidates`)."""
+
+    indices: torch.Tensor
+    """``[B, k]`` their token ids."""
+    scaled: torch.Tensor
+    """``[B, k]`` fp32 their logits divided by the row's temperature."""
+    probs: torch.Tensor
+    """``[B, k]`` fp32 the softmax of ``scaled`` over the top-k candidates (exactly 0 for the others)."""
+    kept: torch.Tensor
+    """``[B, k]`` bool: the candidates top-k and top-p keep (the best one always)."""
+
+
+def kept_candidates(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    max_topk: int,
+) -> Candidates:
+    """The candidates of each row of ``logits [B, V]`` and which of them the sampler keeps: the ``max_topk``
+    largest logits (`_candidates`), divided by ``temperature [B] > 0``; the first ``top_k [B]`` of them
+    (``1..max_topk``, 1 = greedy); of those, each one whose preceding candidates' probability mass is below
+    ``top_p [B]`` (in ``(0, 1]``), the best one always."""
+    values, indices = _candidates(logits, min(max_topk, logits.shape[-1]))
+    rank = torch.arange(values.shape[-1], device=logits.device)[None, :]
+    scaled = values / temperature.to(torch.float32)[:, None]
+    in_top_k = rank < top_k[:, None]
+    probs = torch.softmax(torch.where(in_top_k, scaled, torch.full_like(scaled, _NEG)), dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    kept = in_top_k & ((mass_before < top_p[:, None]) | (rank == 0))
+    return Candidates(indices, scaled, probs, kept)
 
 
 def sample_tokens(
@@ -20,25 +57,16 @@ def sample_tokens(
     uniforms: torch.Tensor,
     max_topk: int,
 ) -> torch.Tensor:
-    """Sample one token per row of ``logits [B, V]``.
-
-    ``top_k [B]`` in ``1..max_topk`` (1 = greedy), ``temperature [B] > 0``, ``top_p [B]`` in
-    ``(0, 1]``, ``uniforms [B]`` in ``[0, 1)``. Candidates are the ``max_topk`` largest logits, equal
-    ones by increasing token id (so greedy is ``argmax``, ties included); the kept ones are
-    renormalized and the token is picked by inverse CDF at the uniform.
-    """
-    values, indices = _candidates(logits, min(max_topk, logits.shape[-1]))
-    k = values.shape[-1]
-    rank = torch.arange(k, device=logits.device)[None, :]
-    scaled = values / temperature.to(torch.float32)[:, None]
-    scaled = torch.where(rank < top_k[:, None], scaled, torch.full_like(scaled, _NEG))
-    probs = torch.softmax(scaled, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    probs = torch.where((mass_before < top_p[:, None]) | (rank == 0), probs, torch.zeros_like(probs))
+    """Sample one token per row of ``logits [B, V]`` from the candidates `kept_candidates` keeps: their
+    probabilities renormalized, the token picked by inverse CDF at ``uniforms [B]`` (in ``[0, 1)``).
+    Candidates are ordered best first, equal logits by increasing token id (so greedy is ``argmax``, ties
+    included)."""
+    found = kept_candidates(logits, temperature, top_k, top_p, max_topk)
+    probs = torch.where(found.kept, found.probs, torch.zeros_like(found.probs))
     cdf = torch.cumsum(probs, dim=-1)
     threshold = uniforms.to(torch.float32)[:, None] * cdf[:, -1:]
-    choice = (cdf <= threshold).sum(dim=-1).clamp(max=k - 1)
-    return indices.gather(1, choice[:, None]).squeeze(1)
+    choice = (cdf <= threshold).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
+    return found.indices.gather(1, choice[:, None]).squeeze(1)
 
 
 def _candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,13 +88,8 @@ def processed_scores(
     max_topk: int,
 ) -> torch.Tensor:
     """What `sample_tokens` draws from, as transformers' ``output_scores`` show it: ``[B, V]`` fp32, the logits
-    divided by the temperature for the candidates that top-k and top-p keep, ``-inf`` for every other token."""
-    values, indices = _candidates(logits, min(max_topk, logits.shape[-1]))
-    rank = torch.arange(values.shape[-1], device=logits.device)[None, :]
-    scaled = values / temperature.to(torch.float32)[:, None]
-    in_top_k = rank < top_k[:, None]
-    probs = torch.softmax(torch.where(in_top_k, scaled, torch.full_like(scaled, _NEG)), dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    kept = in_top_k & ((mass_before < top_p[:, None]) | (rank == 0))
+    divided by the temperature for the candidates `kept_candidates` keeps, ``-inf`` for every other token."""
+    found = kept_candidates(logits, temperature, top_k, top_p, max_topk)
     out = torch.full(logits.shape, -torch.inf, dtype=torch.float32, device=logits.device)
-    return out.scatter(1, indices, torch.where(kept, scaled, torch.full_like(scaled, -torch.inf)))
+    kept = torch.where(found.kept, found.scaled, torch.full_like(found.scaled, -torch.inf))
+    return out.scatter(1, found.indices, kept)
