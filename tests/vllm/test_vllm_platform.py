@@ -3,11 +3,14 @@ flag to change (vLLM's real config path: ``EngineArgs.create_engine_config``, no
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.fixtures.artifacts import edit_json
 from tests.fixtures.llm.models import export_fixture
 from tests.utils import subprocess_test
 
@@ -52,10 +55,20 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     with pytest.raises(Exception) as info:
         engine_config(tp2, tensor_parallel_size=4)
     assert "--tensor_parallel_size 4" in "".join(str(e) for e in _chain(info.value))
-    padded = engine_config(export_fixture("llama-2x4x8-h6-kv3-tp2-eager"))  # 6 / 3 heads, computed as 8 / 4
+    padded_artifact = export_fixture("llama-2x4x8-h6-kv3-tp2-eager")  # 6 / 3 heads, computed as 8 / 4
+    recorded = json.loads((padded_artifact / "neuron_config.json").read_text())["recorded"]
+    assert recorded["attention_heads"] == {"heads": 8, "kv_heads": 4}, "the export records the heads it compiled"
+    padded = engine_config(padded_artifact)
     arch = padded.model_config.model_arch_config
     assert (arch.total_num_attention_heads, arch.total_num_kv_heads) == (8, 4), "vLLM told the padded heads"
     padded.__post_init__()  # what vLLM's engine core re-runs at start-up, with the degree already set
+    unrecorded = tmp_path / "unrecorded"
+    shutil.copytree(padded_artifact, unrecorded)
+    edit_json(unrecorded / "neuron_config.json", lambda body: body.pop("recorded"))  # an earlier export
+    with pytest.raises(Exception) as info:
+        engine_config(unrecorded)
+    text = "".join(str(e) for e in _chain(info.value))
+    assert "attention heads" in text and "re-export" in text, text
     folder = tmp_path / "plain"
     folder.mkdir()
     (folder / "config.json").write_text((chunked / "config.json").read_text())

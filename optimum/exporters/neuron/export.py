@@ -22,6 +22,7 @@ from ...neuron.artifact import (
     assemble,
     empty_decoder,
     graph_file,
+    head_record,
     rank_weights,
     sha256_of,
     write_manifest,
@@ -146,7 +147,8 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, device: str | torch
             save_file({k: v.cpu() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
             write_manifest(out, files, weights)
             _copy_hf_files(model_dir, out, hf_config)
-            (out / CONFIG_FILE).write_text(config.to_json([spec.name for spec in specs]))
+            recorded = head_record(hf_config, config)
+            (out / CONFIG_FILE).write_text(config.to_json([spec.name for spec in specs], recorded))
 
 
 def _hf_config(model_dir: Path) -> Any:

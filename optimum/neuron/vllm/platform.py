@@ -15,10 +15,9 @@ from typing import Any
 import psutil
 import torch
 
-from ..artifact import read_config
+from ..artifact import read_config, served_heads
 from ..config import NeuronConfig, flag
 from ..errors import IncompatibleConfigError, InputError
-from ..models.layers.parallel import head_layout
 from . import compat
 from .sampling import check_request
 
@@ -145,9 +144,8 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
             return
         neuron = read_config(vllm_config.model_config.model)
         fit_parallelism(vllm_config.parallel_config, neuron)
-        if neuron.tp_degree > 1:
-            layout = head_layout(vllm_config.model_config.hf_config, neuron.tp_degree)
-            compat.set_served_heads(vllm_config.model_config, layout.padded_heads, layout.padded_kv_heads)
+        if neuron.tp_degree > 1:  # the heads its graphs compute, padded where they do not split (recorded at export)
+            compat.set_served_heads(vllm_config.model_config, *served_heads(neuron))
         check_sampling_config(vllm_config.model_config)
         vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
         # Start the engine core by spawn, as vLLM's CPU platform does: a process forked after torch ran
