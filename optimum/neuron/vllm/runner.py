@@ -2,7 +2,7 @@
 
 A thin adapter: finished requests are released, preempted ones preempted, new ones admitted,
 resumed ones resumed, and the scheduled token counts go to the engine as they are, with vLLM's own
-sampler (`compat.HostSampling`, bound to the step's grammar bitmask) for the requests that need it. The
+sampler (`host_sampling.HostSampling`, bound to the step's grammar bitmask) for the requests that need it. The
 engine keeps every request's tokens, cache progress, sampler and prompt logprobs; the runner only checks
 that vLLM's count of computed tokens agrees with the engine's, and keeps a log of what each step ran.
 """
@@ -18,7 +18,8 @@ from ..runtime.engine import Engine
 from ..runtime.images import ImageInput, real_tiles
 from ..runtime.logprobs import Logprobs
 from ..runtime.sequence import StepResult
-from .compat import CachedRequest, HostSampling, Step
+from .compat import CachedRequest, Step
+from .host_sampling import HostSampling
 from .sampling import to_sampling_params
 
 

@@ -3,7 +3,7 @@
 A request that needs only temperature (0 = greedy), top_k (up to the artifact's ``max_topk``: `SamplingParams.check`),
 top_p and seed is sampled by the toolkit's own rule (on device in the token-generation graph, hybrid sampling).
 A request that needs more (penalties, min_p, min_tokens, logit_bias, allowed token ids, bad words, structured
-output) carries its vLLM parameters (``host``) and is sampled by vLLM's own sampler (`compat.HostSampling`).
+output) carries its vLLM parameters (``host``) and is sampled by vLLM's own sampler (`host_sampling.HostSampling`).
 ``logprobs`` and ``prompt_logprobs`` are returned for either; ``n`` is fanned out by vLLM's front end into
 requests of their own. max_tokens, stop / stop_token_ids and ignore_eos are applied by vLLM's scheduler and
 detokenizer.
@@ -16,7 +16,7 @@ from typing import Any
 from ..config import NeuronConfig
 from ..errors import InputError
 from ..runtime.sampling import SamplingParams
-from . import compat
+from .host_sampling import needs_vllm_sampler
 
 _REFUSED: dict[str, Any] = {
     "prompt_logprob_token_ids": None,
@@ -61,5 +61,5 @@ def to_sampling_params(params: Any) -> SamplingParams:
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
         max_tokens=params.max_tokens,
-        host=params if compat.needs_vllm_sampler(params) else None,
+        host=params if needs_vllm_sampler(params) else None,
     )
