@@ -32,12 +32,15 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     assert sched.enable_chunked_prefill and sched.max_num_batched_tokens == 8, "token budget = one chunk"
     assert config.parallel_config.worker_cls == "optimum.neuron.vllm.worker.NeuronxWorker"
     assert not config.cache_config.enable_prefix_caching
+    assert config.scheduler_config.scheduler_cls == "optimum.neuron.vllm.scheduler.NeuronxScheduler"
     config = engine_config(ce)
     assert not config.scheduler_config.enable_chunked_prefill
     assert config.scheduler_config.max_num_batched_tokens >= 32, "a context-encoding artifact needs whole prompts"
     assert engine_config(chunked, max_model_len=16).model_config.max_model_len == 16
     refusals = [
         ({"max_num_seqs": 3}, ["max_num_seqs=3", "batch_size=2", "--batch_size"]),
+        ({"max_num_seqs": 128}, ["max_num_seqs=128", "batch_size=2"]),  # vLLM's defaults, given explicitly
+        ({"max_num_seqs": 256}, ["max_num_seqs=256", "batch_size=2"]),
         ({"max_model_len": 64}, ["max_model_len=64", "sequence_length=32", "--sequence_length"]),
         ({"tensor_parallel_size": 2}, ["--tensor-parallel-size 2", "1 tensor-parallel", "--tensor_parallel_size 2"]),
         ({"pipeline_parallel_size": 2}, ["pipeline parallelism", "--pipeline-parallel-size"]),
@@ -48,6 +51,8 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
         text = "".join(str(e) for e in _chain(info.value))
         for fragment in fragments:
             assert fragment in text, (kwargs, text)
+    assert engine_config(chunked).scheduler_config.max_num_seqs == 2, "vLLM's default is still lowered"
+    assert engine_config(chunked, max_num_seqs=1).scheduler_config.max_num_seqs == 1
     tp2 = export_fixture("llama-2x4x8-kv1-tp2-eager")
     parallel = engine_config(tp2).parallel_config  # the degree comes from the artifact
     assert (parallel.tensor_parallel_size, parallel.world_size, parallel.distributed_executor_backend) == (2, 2, "mp")

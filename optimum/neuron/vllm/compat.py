@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -102,12 +103,40 @@ def read_images(new_request: Any) -> tuple[ImageItem, ...]:
                 f"request {new_request.req_id}: a {feature.modality} input without data reached the model runner; "
                 "only images are served, with vLLM's multimodal processor cache off (the platform sets it)."
             )
-        fields = feature.data.get_data()
-        place = feature.mm_position
-        offsets = range(place.length) if place.is_embed is None else place.is_embed.nonzero().flatten().tolist()
-        mask = fields.get("pixel_attention_mask")
-        images.append(ImageItem(fields["pixel_values"], mask, tuple(place.offset + int(o) for o in offsets)))
+        images.append(_image_item(feature.data, feature.mm_position))
     return tuple(images)
+
+
+def _image_item(data: Any, place: Any) -> ImageItem:
+    """An `ImageItem` from one ``MultiModalKwargsItem`` and its ``PlaceholderRange``."""
+    fields = data.get_data()
+    offsets = range(place.length) if place.is_embed is None else place.is_embed.nonzero().flatten().tolist()
+    mask = fields.get("pixel_attention_mask")
+    return ImageItem(fields["pixel_values"], mask, tuple(place.offset + int(o) for o in offsets))
+
+
+def read_prompt(processed_inputs: Any) -> tuple[list[int], tuple[ImageItem, ...]]:
+    """The prompt token ids and images of a request as vLLM's input processor made them (the ``EngineInput`` that
+    ``Platform.validate_request`` receives: ``TokensInput`` or ``MultiModalInput``, its ``mm_kwargs`` and
+    ``mm_placeholders``); `InputError` for prompt embeddings, encoder-decoder inputs and modalities other than
+    images."""
+    kind = processed_inputs.get("type")
+    if kind not in ("token", "multimodal"):
+        raise InputError(
+            f"optimum-neuronx serves prompts of token ids (with images for an image-text artifact), not {kind} "
+            "inputs: send text or token ids."
+        )
+    tokens = list(processed_inputs["prompt_token_ids"])
+    if kind == "token":
+        return tokens, ()
+    kwargs, places = processed_inputs["mm_kwargs"], processed_inputs["mm_placeholders"]
+    other = sorted(set(kwargs) - {"image"})
+    if other:
+        raise InputError(f"this artifact takes images only, not {', '.join(other)}: drop those inputs.")
+    pairs = sorted(zip(kwargs.get("image", ()), places.get("image", ()), strict=True), key=lambda p: p[1].offset)
+    if any(data is None for data, _ in pairs):
+        raise InputError("an image reached the platform without its pixels (vLLM's multimodal processor cache is on).")
+    return tokens, tuple(_image_item(data, place) for data, place in pairs)
 
 
 def limit_images(vllm_config: Any, max_images: int) -> None:
@@ -194,12 +223,40 @@ def placeholder_page_bytes(block_size: int) -> int:
     return int(placeholder_kv_spec(block_size)[KV_LAYER_NAME].page_size_bytes)
 
 
-def vllm_default_max_num_seqs() -> set[int]:
-    """The values vLLM puts in ``max_num_seqs`` when the user gives none (``EngineArgs`` defaults of
-    vLLM 0.32 for a CPU platform and the generic fallback): used to tell a default from a request."""
-    from vllm.config.scheduler import SchedulerConfig
+ASKED_UNKNOWN = -1
+"""`asked_max_num_seqs` when no ``EngineArgs`` is building the config (then the config's value is taken as asked)."""
 
-    return {256, 128, int(SchedulerConfig.DEFAULT_MAX_NUM_SEQS)}
+
+def asked_max_num_seqs() -> int | None:
+    """The ``max_num_seqs`` the user gave (None: vLLM's default), read from the ``EngineArgs`` whose
+    ``create_engine_config`` calls ``Platform.pre_register_and_update()`` first thing, before vLLM fills its default
+    in (``_set_default_max_num_seqs_and_batched_tokens_args``: 128 or 256 per CPU rank, or doubled, are also values a
+    user may give, so the config alone cannot tell them apart); `ASKED_UNKNOWN` when no ``EngineArgs`` is found."""
+    import sys
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, EngineArgs):
+            return candidate.max_num_seqs
+        frame = frame.f_back
+    return ASKED_UNKNOWN
+
+
+def set_scheduler(scheduler_config: Any, qualname: str) -> None:
+    """Make vLLM's engine core schedule with the class ``qualname`` (``SchedulerConfig.scheduler_cls``); a scheduler
+    the user chose (``--scheduler-cls``) is refused: the plugin needs its own to finish a failed request alone."""
+    chosen = scheduler_config.scheduler_cls
+    if chosen is not None and chosen != qualname:
+        raise IncompatibleConfigError(
+            f"--scheduler-cls {chosen} is not supported by optimum-neuronx: drop it (the plugin schedules with "
+            f"{qualname}, vLLM's scheduler that finishes a request the model runner cannot run with an error)."
+        )
+    scheduler_config.scheduler_cls = qualname
 
 
 def disable_graph_capture(vllm_config: Any) -> None:
