@@ -247,6 +247,30 @@ def asked_max_num_seqs() -> int | None:
     return ASKED_UNKNOWN
 
 
+def engine_managers() -> list[Any]:
+    """vLLM's engine-core process managers of this process (``CoreEngineProcManager``), found on the stack of the
+    thread that waits on their processes (``monitor_engine_liveness``, started once the engine cores run)."""
+    import sys
+
+    from vllm.v1.engine.utils import CoreEngineProcManager
+
+    found: list[Any] = []
+    for top in sys._current_frames().values():
+        frame: FrameType | None = top
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, CoreEngineProcManager) and all(candidate is not f for f in found):
+                found.append(candidate)
+            frame = frame.f_back
+    return found
+
+
+def engine_failure(manager: Any) -> str | None:
+    """The engine-core process vLLM saw end with a non-zero status before any shutdown was asked
+    (``CoreEngineProcManager.failed_proc_name``, what vLLM's multi-API-server launcher raises on), or None."""
+    return getattr(manager, "failed_proc_name", None)
+
+
 def set_scheduler(scheduler_config: Any, qualname: str) -> None:
     """Make vLLM's engine core schedule with the class ``qualname`` (``SchedulerConfig.scheduler_cls``); a scheduler
     the user chose (``--scheduler-cls``) is refused: the plugin needs its own to finish a failed request alone."""

@@ -21,6 +21,7 @@ from ..errors import IncompatibleConfigError, InputError
 from ..runtime.admission import Admission
 from . import compat
 from .sampling import check_request
+from .supervision import watch_engine_cores
 
 logger = compat.logger(__name__)
 
@@ -158,6 +159,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         """Fit vLLM's configuration to the artifact being served (see the module docstring)."""
         if vllm_config.model_config is None:
             return
+        watch_engine_cores()  # vllm serve: exit non-zero if an engine core dies
         neuron = read_config(vllm_config.model_config.model)
         fit_parallelism(vllm_config.parallel_config, neuron)
         if neuron.tp_degree > 1:  # the heads its graphs compute, padded where they do not split (recorded at export)
