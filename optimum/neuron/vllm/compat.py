@@ -247,22 +247,19 @@ def asked_max_num_seqs() -> int | None:
     return ASKED_UNKNOWN
 
 
+ENGINE_PROCESS_PREFIX = "EngineCore"
+"""The name vLLM gives its engine-core processes (``EngineCore``, ``EngineCore_DP<i>``)."""
+
+
 def engine_managers() -> list[Any]:
-    """vLLM's engine-core process managers of this process (``CoreEngineProcManager``), found on the stack of the
-    thread that waits on their processes (``monitor_engine_liveness``, started once the engine cores run)."""
-    import sys
+    """vLLM's engine-core process managers alive in this process (``CoreEngineProcManager``: created before the
+    engine-core processes start, kept by the engine client). A scan of the garbage collector's objects: safe from any
+    thread (reading another thread's frames is not), and run only until they are found."""
+    import gc
 
     from vllm.v1.engine.utils import CoreEngineProcManager
 
-    found: list[Any] = []
-    for top in sys._current_frames().values():
-        frame: FrameType | None = top
-        while frame is not None:
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, CoreEngineProcManager) and all(candidate is not f for f in found):
-                found.append(candidate)
-            frame = frame.f_back
-    return found
+    return [o for o in gc.get_objects() if isinstance(o, CoreEngineProcManager)]
 
 
 def engine_failure(manager: Any) -> str | None:

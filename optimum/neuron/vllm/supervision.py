@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing
 import os
 import sys
 import threading
@@ -25,7 +26,7 @@ from . import compat
 
 ENGINE_DIED_EXIT_CODE = 3
 """The exit status of ``vllm serve`` after its engine core died."""
-_POLL_S = 0.5
+_POLL_S = 1.0
 
 logger = compat.logger(__name__)
 
@@ -37,10 +38,11 @@ class EngineWatch:
         self.managers: list[Any] = []
 
     def run(self) -> None:
-        """The watching thread's body: poll until vLLM's managers are up (the engine cores started)."""
+        """The watching thread's body: once engine-core processes run, find vLLM's managers of them."""
         while not self.managers:
             time.sleep(_POLL_S)
-            self.managers = compat.engine_managers()
+            if any(p.name.startswith(compat.ENGINE_PROCESS_PREFIX) for p in multiprocessing.active_children()):
+                self.managers = compat.engine_managers()
 
     def died(self) -> str | None:
         """The engine-core process that died before any shutdown was asked, or None."""
@@ -63,8 +65,10 @@ _started: EngineWatch | None = None
 
 
 def is_vllm_serve(argv: list[str]) -> bool:
-    """True in the process of the ``vllm serve`` command (not in the engine core or worker processes it spawns)."""
-    return len(argv) > 1 and Path(argv[0]).name == "vllm" and argv[1] == "serve"
+    """True in the process of the ``vllm serve`` command, not in the engine core or worker processes it spawns (they
+    get its ``sys.argv`` too: ``multiprocessing`` spawn copies it)."""
+    main = multiprocessing.parent_process() is None
+    return main and len(argv) > 1 and Path(argv[0]).name == "vllm" and argv[1] == "serve"
 
 
 def watch_engine_cores() -> EngineWatch | None:
