@@ -33,8 +33,18 @@ class ServerProcess:
 
     port: int
     log: Path
+    pid: int = 0
+    """The `vllm serve` process (its process group's leader)."""
     left_behind: list[int] = field(default_factory=list)
     """Pids still alive after the graceful stop (then killed); filled when `serving` exits."""
+    returncode: int | None = None
+    """The exit status of `vllm serve`; filled when `serving` exits (0 after a graceful stop)."""
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait for `vllm serve` to exit on its own (``subprocess.TimeoutExpired`` after ``timeout_s``); its status."""
+        assert self.popen is not None, "the server is started by `serving`"
+        return self.popen.wait(timeout_s)
 
 
 def vllm_cli() -> str:
@@ -76,7 +86,8 @@ def _wait_healthy(proc: subprocess.Popen[bytes], server: ServerProcess, timeout_
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> list[int]:
-    """SIGTERM the process group, wait, SIGKILL what is left; the pids that outlived the SIGTERM."""
+    """SIGTERM the process group, wait, SIGKILL what is left; the pids that outlived the SIGTERM (`proc` is waited
+    for: its ``returncode`` is set)."""
     try:
         root = psutil.Process(proc.pid)
         group = [root, *root.children(recursive=True)]
@@ -102,8 +113,10 @@ def serving(artifact: Path, log: Path, *flags: str, port: int = 0, timeout_s: fl
     cmd = [vllm_cli(), "serve", str(artifact), "--host", "127.0.0.1", "--port", str(server.port), *flags]
     with log.open("wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    server.pid, server.popen = proc.pid, proc
     try:
         _wait_healthy(proc, server, timeout_s)
         yield server
     finally:
         server.left_behind = _stop(proc)
+        server.returncode = proc.returncode

@@ -33,7 +33,7 @@ from .models.base import StaticDecoder
 from .models.layers.attention import attention_dims
 from .models.layers.kv_cache import allocate_kv_cache
 from .models.layers.packed import pack_decoder, packed_weights
-from .models.layers.parallel import rank_config, shard_weights
+from .models.layers.parallel import head_layout, rank_config, shard_weights
 from .models.registry import build_decoder, language_config
 from .weights import bind_weights
 
@@ -84,6 +84,30 @@ def read_config(path: str | Path) -> NeuronConfig:
     if not (root / CONFIG_FILE).is_file():
         raise ArtifactError(_NOT_AN_ARTIFACT.format(root=root, name=CONFIG_FILE))
     return load_config_file((root / CONFIG_FILE).read_text())
+
+
+HEADS_RECORD = "attention_heads"
+"""The key under ``recorded`` in ``neuron_config.json`` of the attention heads the graphs compute (`head_record`)."""
+
+
+def head_record(hf_config: Any, config: NeuronConfig) -> dict[str, Any]:
+    """What the exporter records of the attention heads its graphs compute, over all tensor-parallel ranks: the
+    model's heads padded with zero heads where they do not split (`layers.parallel.HeadLayout`; SmolLM2's 9 / 3 are
+    12 / 4 at 2 ranks). vLLM is told them at serve time (`served_heads`)."""
+    layout = head_layout(language_config(hf_config), config.tp_degree)
+    return {HEADS_RECORD: {"heads": layout.padded_heads, "kv_heads": layout.padded_kv_heads}}
+
+
+def served_heads(config: NeuronConfig) -> tuple[int, int]:
+    """``(query heads, KV heads)`` the artifact's graphs compute over all ranks, as its export recorded them
+    (`head_record`); `ArtifactError` for an artifact exported without the record."""
+    found = config.extra.get("recorded", {}).get(HEADS_RECORD)
+    if not isinstance(found, dict) or not all(isinstance(found.get(k), int) for k in ("heads", "kv_heads")):
+        raise ArtifactError(
+            f"{CONFIG_FILE} does not record the attention heads its graphs compute ({HEADS_RECORD}): the artifact "
+            "was exported by an earlier optimum-neuronx; re-export it (optimum-cli export neuron ...)."
+        )
+    return found["heads"], found["kv_heads"]
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,8 @@ class NeuronConfig:
     """Device the graphs run on: ``cpu``; ``cuda`` (inductor/eager: written, not yet run on a GPU, see
     docs/cuda.md); ``neuron`` (xla or neuron backend, not verified)."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
-    """Informational metadata written to the JSON (versions, graphs); never affects compilation."""
+    """Metadata read from the JSON beside the fields (versions, graphs, and under ``recorded`` what the exporter
+    recorded about the compiled graphs: `artifact.head_record`); never affects compilation."""
 
     def __post_init__(self) -> None:
         for check in (
@@ -161,8 +162,9 @@ class NeuronConfig:
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
-    def to_json(self, graphs: list[str]) -> str:
-        """Serialize with the versions that built it, the graph list and a hash of the fields."""
+    def to_json(self, graphs: list[str], recorded: dict[str, Any] | None = None) -> str:
+        """Serialize with the versions that built it, the graph list, what the exporter ``recorded`` about the
+        compiled graphs (`artifact.head_record`) and a hash of the fields."""
         fields = self.compile_fields()
         body = {
             **fields,
@@ -171,6 +173,8 @@ class NeuronConfig:
             "versions": runtime_versions(self.backend),
             "hash": _fields_hash(fields),
         }
+        if recorded:
+            body["recorded"] = recorded
         return json.dumps(body, indent=2, sort_keys=True)
 
     @classmethod
@@ -182,6 +186,8 @@ class NeuronConfig:
         if _fields_hash(fields) != body.get("hash"):
             raise ArtifactError(f"{CONFIG_FILE} was edited or is corrupt (hash mismatch); re-export the model.")
         extra = {"graphs": body.get("graphs", []), "versions": body.get("versions", {})}
+        if "recorded" in body:
+            extra["recorded"] = body["recorded"]
         return cls(**fields, extra=extra)
 
 

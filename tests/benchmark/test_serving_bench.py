@@ -14,18 +14,16 @@ import sys
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 from benchmark.serving.configs import CONFIGS, MIXED_CONFIGS, QUICK
 from tests.fixtures.llm.models import tiny_model
+from tests.fixtures.processes import TAG, check_no_process_outlives_the_run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PNG = b"\x89PNG\r\n\x1a\n"
 RUN = ("ce-cpu", "chunked-hybrid")
 CONFIGS_RUN = [c for c in CONFIGS if c.name in RUN]
-TAG = "OPTIMUM_NEURON_BENCH_TEST"
-"""Set in the benchmark's environment (so in every process it starts) to find what outlives it."""
 
 
 def test_quick_benchmark_end_to_end(tmp_path: Path) -> None:
@@ -74,14 +72,3 @@ def check_markdown_tables_and_plots(report: Path) -> None:
     for plot in ("throughput.png", "latency.png", "mixed-itl.png"):
         assert (report / plot).read_bytes().startswith(PNG), plot
         assert f"({plot})" in text
-
-
-def check_no_process_outlives_the_run(tag: str) -> None:
-    left = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if proc.environ().get(TAG) == tag:
-                left.append(" ".join(proc.info["cmdline"] or []))
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    assert not left, f"the benchmark left processes running: {left}"

@@ -53,11 +53,14 @@ def ranks_run(names: list[str]) -> dict[str, dict]:
     return {name: rank_run(name) for name in names}
 
 
-ENGINE_FIXTURES = tuple(f.name for f in TP_FIXTURES if f.backend == "eager" and f.chunked)
+ENGINE_FIXTURES = (
+    *(f.name for f in TP_FIXTURES if f.backend == "eager" and f.chunked),
+    "qwen3-2x4x8-tp2-inductor",
+)
 """Every family, chunked, on eager: KV heads replicated (llama, one KV head), split (the others) and padded (llama
-with 6 / 3 heads). The context-encoding and inductor `-tp2` fixtures run through vLLM
-(`tests/vllm/test_vllm_parallel.py`); here too with ``OPTIMUM_NEURON_TP_ALL=1`` (CI's time budget keeps them out
-of ``make test``)."""
+with 6 / 3 heads); and qwen3 on inductor (its AOTInductor graphs with their all-reduces, loaded by each rank). The
+context-encoding and llama inductor `-tp2` fixtures run through vLLM (`tests/vllm/test_vllm_parallel.py`); here too
+with ``OPTIMUM_NEURON_TP_ALL=1`` (CI's time budget keeps them out of ``make test``)."""
 
 
 def _mismatches(name: str, result: dict) -> list[str]:

@@ -15,7 +15,7 @@ from vllm import SamplingParams as VllmParams
 
 from optimum.neuron.runtime.sampling import SequenceSampler
 from optimum.neuron.runtime.sequence import Sequence
-from optimum.neuron.vllm import compat
+from optimum.neuron.vllm.host_sampling import HostSampling
 from optimum.neuron.vllm.sampling import to_sampling_params
 
 pytestmark = [pytest.mark.vllm]
@@ -40,7 +40,7 @@ def test_min_p_keeps_the_tokens_transformers_keeps(temperature: float, min_p: fl
         params = to_sampling_params(VllmParams(temperature=temperature, min_p=min_p, seed=100 + slot))
         assert params.host is not None, "min_p is sampled by vLLM's sampler (HostSampling)"
         rows[slot] = Sequence(f"r{slot}", slot, [3, 4, 5], 3, 32, SequenceSampler(params))
-    host = compat.HostSampling(ROWS, VOCAB)
+    host = HostSampling(ROWS, VOCAB)
     counts = torch.zeros(VOCAB)
     for _ in range(CALLS):
         tokens, _ = host.sample(logits.expand(ROWS, VOCAB).clone(), rows, None)

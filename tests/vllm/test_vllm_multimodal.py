@@ -1,7 +1,8 @@
 """vLLM serving an image-text artifact (tiny Idefics3, eager, chunk 8: every image span covers more than two chunks):
 `LLM.generate` with ``multi_modal_data`` and ``vllm serve`` chat with a base64 ``image_url`` give transformers'
-greedy tokens through vLLM's own multimodal processor and scheduler; more images than the artifact serves are
-refused naming the limit."""
+greedy tokens through vLLM's own multimodal processor and scheduler; more images than the artifact serves, and
+tiles of another size than the artifact's (a request's ``mm_processor_kwargs``), are refused before the request is
+scheduled, naming the fix, and the engine serves on."""
 
 from __future__ import annotations
 
@@ -52,6 +53,13 @@ def test_llm_generate_with_images_equals_transformers() -> None:
     too_many = {"prompt": "<image> " * 7, "multi_modal_data": {"image": [pictures[0]] * 7}}
     with pytest.raises(VLLMValidationError, match="At most 6 image"):
         llm.generate([too_many], params)
+    small = {"max_image_size": {"longest_edge": 32}}  # the processor then makes 32-pixel tiles; the graph takes 64
+    tiles = {"prompt": "hello <image>", "multi_modal_data": {"image": [pictures[1]]}, "mm_processor_kwargs": small}
+    with pytest.raises(VLLMValidationError, match=r"this artifact takes \[tiles, 3, 64, 64\]"):  # before scheduling
+        llm.generate([tiles], params)
+    again = llm.generate([prompts[2]], params)[0].outputs[0].token_ids
+    assert list(again) == transformers_tokens(*REQUESTS[2]), "the engine serves on after the refusal"
+    assert llm.collective_rpc("slot_usage") == [{}]
 
 
 def _data_url(index: int) -> str:

@@ -3,11 +3,14 @@ flag to change (vLLM's real config path: ``EngineArgs.create_engine_config``, no
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.fixtures.artifacts import edit_json
 from tests.fixtures.llm.models import export_fixture
 from tests.utils import subprocess_test
 
@@ -29,12 +32,15 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     assert sched.enable_chunked_prefill and sched.max_num_batched_tokens == 8, "token budget = one chunk"
     assert config.parallel_config.worker_cls == "optimum.neuron.vllm.worker.NeuronxWorker"
     assert not config.cache_config.enable_prefix_caching
+    assert config.scheduler_config.scheduler_cls == "optimum.neuron.vllm.scheduler.NeuronxScheduler"
     config = engine_config(ce)
     assert not config.scheduler_config.enable_chunked_prefill
     assert config.scheduler_config.max_num_batched_tokens >= 32, "a context-encoding artifact needs whole prompts"
     assert engine_config(chunked, max_model_len=16).model_config.max_model_len == 16
     refusals = [
         ({"max_num_seqs": 3}, ["max_num_seqs=3", "batch_size=2", "--batch_size"]),
+        ({"max_num_seqs": 128}, ["max_num_seqs=128", "batch_size=2"]),  # vLLM's defaults, given explicitly
+        ({"max_num_seqs": 256}, ["max_num_seqs=256", "batch_size=2"]),
         ({"max_model_len": 64}, ["max_model_len=64", "sequence_length=32", "--sequence_length"]),
         ({"tensor_parallel_size": 2}, ["--tensor-parallel-size 2", "1 tensor-parallel", "--tensor_parallel_size 2"]),
         ({"pipeline_parallel_size": 2}, ["pipeline parallelism", "--pipeline-parallel-size"]),
@@ -45,6 +51,8 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
         text = "".join(str(e) for e in _chain(info.value))
         for fragment in fragments:
             assert fragment in text, (kwargs, text)
+    assert engine_config(chunked).scheduler_config.max_num_seqs == 2, "vLLM's default is still lowered"
+    assert engine_config(chunked, max_num_seqs=1).scheduler_config.max_num_seqs == 1
     tp2 = export_fixture("llama-2x4x8-kv1-tp2-eager")
     parallel = engine_config(tp2).parallel_config  # the degree comes from the artifact
     assert (parallel.tensor_parallel_size, parallel.world_size, parallel.distributed_executor_backend) == (2, 2, "mp")
@@ -52,10 +60,20 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     with pytest.raises(Exception) as info:
         engine_config(tp2, tensor_parallel_size=4)
     assert "--tensor_parallel_size 4" in "".join(str(e) for e in _chain(info.value))
-    padded = engine_config(export_fixture("llama-2x4x8-h6-kv3-tp2-eager"))  # 6 / 3 heads, computed as 8 / 4
+    padded_artifact = export_fixture("llama-2x4x8-h6-kv3-tp2-eager")  # 6 / 3 heads, computed as 8 / 4
+    recorded = json.loads((padded_artifact / "neuron_config.json").read_text())["recorded"]
+    assert recorded["attention_heads"] == {"heads": 8, "kv_heads": 4}, "the export records the heads it compiled"
+    padded = engine_config(padded_artifact)
     arch = padded.model_config.model_arch_config
     assert (arch.total_num_attention_heads, arch.total_num_kv_heads) == (8, 4), "vLLM told the padded heads"
     padded.__post_init__()  # what vLLM's engine core re-runs at start-up, with the degree already set
+    unrecorded = tmp_path / "unrecorded"
+    shutil.copytree(padded_artifact, unrecorded)
+    edit_json(unrecorded / "neuron_config.json", lambda body: body.pop("recorded"))  # an earlier export
+    with pytest.raises(Exception) as info:
+        engine_config(unrecorded)
+    text = "".join(str(e) for e in _chain(info.value))
+    assert "attention heads" in text and "re-export" in text, text
     folder = tmp_path / "plain"
     folder.mkdir()
     (folder / "config.json").write_text((chunked / "config.json").read_text())

@@ -3,8 +3,8 @@
 A step is the plain `compat.Step` data the worker reads from vLLM's ``SchedulerOutput``. These tests
 pin what the runner owes vLLM: a request's prompt can arrive in any split of chunks (several CP calls
 in one step when it exceeds C), partial prefills return no token, decodes of running requests run in
-the same step as another request's chunk, and every way a request leaves (finished, aborted,
-preempted) gives its KV slot back.
+the same step as another request's chunk, every way a request leaves (finished, aborted,
+preempted) gives its KV slot back, and a request the runner cannot run fails alone, its slot freed.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from vllm import SamplingParams as VllmParams
 
-from optimum.neuron.errors import InputError, SlotError
+from optimum.neuron.errors import InputError
 from optimum.neuron.vllm.compat import CachedRequest
 from optimum.neuron.vllm.runner import Runner
 from tests.contract.engine_tools import alone, engine_for, prompt
@@ -104,18 +104,21 @@ def test_preempted_request_resumes_with_the_same_tokens(runner: Runner) -> None:
     assert d.out["a"] == want
 
 
-def test_more_requests_than_slots_is_a_slot_error(runner: Runner) -> None:
+def test_more_requests_than_slots_fails_that_request_only(runner: Runner) -> None:
     d = Driver(runner)
     d.run({"a": 2, "b": 2}, [new_request("a", [5, 6]), new_request("b", [7, 8])])
-    with pytest.raises(SlotError, match="--batch_size"):
-        runner.execute(step({"c": 2}, [new_request("c", [9, 10])]))
+    out = runner.execute(step({"c": 2, "a": 1}, [new_request("c", [9, 10])], [cached("a", 2)]))
+    assert "SlotError" in out.failed["c"] and "--batch_size" in out.failed["c"], out.failed
+    assert out.sampled["c"] == [] and len(out.sampled["a"]) == 1, "the other request of the step ran"
+    assert set(runner.engine.slots.used.values()) == {"a", "b"}
 
 
-def test_unsupported_sampling_parameter_is_refused(runner: Runner) -> None:
+def test_unsupported_sampling_parameter_fails_that_request_only(runner: Runner) -> None:
     params = VllmParams(temperature=0.7, logprob_token_ids=[3, 4])
-    with pytest.raises(InputError, match="logprob_token_ids"):
-        runner.execute(step({"a": 2}, [new_request("a", [5, 6], params)]))
-    assert runner.engine.slots.free_count == 2
+    out = runner.execute(step({"a": 2, "b": 2}, [new_request("a", [5, 6], params), new_request("b", [7, 8])]))
+    assert set(out.failed) == {"a"} and "logprob_token_ids" in out.failed["a"], out.failed
+    assert out.sampled == {"a": [], "b": out.sampled["b"]} and len(out.sampled["b"]) == 1
+    assert set(runner.engine.slots.used.values()) == {"b"}, "the refused request holds no slot"
 
 
 def test_seeded_sampling_reproduces(runner: Runner) -> None:
@@ -132,8 +135,32 @@ def test_seeded_sampling_reproduces(runner: Runner) -> None:
     assert runs[0] == runs[1] and len(runs[0]) == 6
 
 
-def test_a_count_that_disagrees_with_the_engine_is_refused(runner: Runner) -> None:
+def test_a_count_that_disagrees_with_the_engine_fails_that_request_and_frees_its_slot(runner: Runner) -> None:
     d = Driver(runner)
     d.run({"a": 3}, [new_request("a", prompt(5, 9))])
-    with pytest.raises(InputError, match="vLLM counts 2 computed tokens, the engine 3"):
-        runner.execute(step({"a": 2}, cached=[cached("a", 2)]))
+    out = runner.execute(step({"a": 2}, cached=[cached("a", 2)]))
+    assert "vLLM counts 2 computed tokens, the engine 3" in out.failed["a"], out.failed
+    assert runner.engine.slots.free_count == 2
+
+
+def test_a_step_refused_for_one_request_runs_the_others(runner: Runner) -> None:
+    """`Engine.step` refuses work a sequence cannot take (here more tokens than it has pending): the runner runs
+    each request alone, fails the one the engine refuses and returns the others' tokens unchanged."""
+    short, other = prompt(3, 10), prompt(4, 11)
+    want = expected(runner, short, 3)
+    d = Driver(runner)
+    d.run({"s": 3, "o": 4}, [new_request("s", short), new_request("o", other)])
+    out = runner.execute(step({"s": 1, "o": 2}, cached=[cached("s", 3), cached("o", 4)]))
+    assert set(out.failed) == {"o"} and "pending tokens" in out.failed["o"], out.failed
+    assert out.sampled == {"s": [want[1]], "o": []}
+    assert set(runner.engine.slots.used.values()) == {"s"}
+    d.computed = {"s": 4}
+    d.run({"s": 1})
+    assert d.out["s"] == [want[0], want[2]], "the request beside the failed one decodes on"
+
+
+def test_a_step_every_request_of_which_fails_raises(runner: Runner) -> None:
+    d = Driver(runner)
+    d.run({"a": 3, "b": 3}, [new_request("a", prompt(3, 12)), new_request("b", prompt(3, 13))])
+    with pytest.raises(InputError, match="pending tokens"):
+        runner.execute(step({"a": 2, "b": 2}, cached=[cached("a", 3), cached("b", 3)]))

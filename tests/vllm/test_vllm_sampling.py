@@ -1,7 +1,7 @@
 """vLLM's sampling through the runner, driven by hand-built scheduler steps (no vLLM engine), on the eager fixture
 exported with the graphs returning logits (``-logprobs``).
 
-Requests that need more than temperature / top-k / top-p go through vLLM's own sampler (`compat.HostSampling`);
+Requests that need more than temperature / top-k / top-p go through vLLM's own sampler (`host_sampling.HostSampling`);
 their greedy tokens must equal vLLM's documented semantics applied to transformers' logits (penalties, logit_bias,
 min_tokens, bad words, allowed token ids, a grammar bitmask). Logprobs and prompt logprobs reach vLLM's output
 structures with transformers' values; seeded host sampling reproduces; a plain request decoding beside a host

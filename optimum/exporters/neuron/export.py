@@ -23,6 +23,7 @@ from ...neuron.artifact import (
     empty_decoder,
     graph_file,
     graph_weights,
+    head_record,
     sha256_of,
     write_manifest,
 )
@@ -147,7 +148,8 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, device: str | torch
             save_file({k: v.cpu() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
             write_manifest(out, files, weights)
             _copy_hf_files(model_dir, out, hf_config)
-            (out / CONFIG_FILE).write_text(config.to_json([spec.name for spec in specs]))
+            recorded = head_record(hf_config, config)
+            (out / CONFIG_FILE).write_text(config.to_json([spec.name for spec in specs], recorded))
 
 
 def _hf_config(model_dir: Path) -> Any:

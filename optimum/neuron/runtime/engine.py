@@ -16,7 +16,6 @@ Positions, padding, chunking, graph choice and sampling are decided here (with `
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from functools import partial
@@ -30,8 +29,9 @@ from ..errors import InputError
 from ..graphs import GraphKind, GraphSpec, graph_args, graph_specs, key_positions, prefill_kind, select_graph
 from ..models.base import StaticDecoder, graph_module
 from ..models.layers.masks import actual_tokens_mask
-from ..models.registry import image_text_family, language_config
-from .images import ImageInput, ImageLimits, SequenceImages, check_images
+from ..models.registry import language_config
+from .admission import Admission
+from .images import ImageInput, SequenceImages
 from .logprobs import PromptScorer, token_logprobs
 from .padding import decode_rows, pad_chunk, pad_image_rows, pad_tiles, split_chunks
 from .parallel import tensor_parallel_rank
@@ -70,7 +70,9 @@ class Engine:
             name: backend.load(artifact.graph_path(name), self.weights, partial(self._module, spec))
             for name, spec in self.specs.items()
         }
-        self.image_limits = self._image_limits()
+        self.admission = Admission.of(self.model_config, self.config)
+        """What the artifact accepts as a new sequence (prompt, images, sampling): `admit`'s refusals."""
+        self.image_limits = self.admission.images
         """What the artifact accepts as images; None for a text-only artifact."""
 
     def _module(self, spec: GraphSpec) -> torch.nn.Module:
@@ -107,15 +109,7 @@ class Engine:
         after an error."""
         if seq_id in self._sequences:
             raise InputError(f"sequence {seq_id!r} is already admitted: release it first, or use another id.")
-        if not isinstance(params, SamplingParams):
-            raise InputError(f"params must be a SamplingParams, got {type(params).__name__}.")
-        tokens = self._checked_prompt(prompt)
-        if self.image_limits is not None:
-            check_images(tokens, images, self.image_limits)
-        elif images:
-            raise InputError("this artifact is text-only: export an image-text model to send images.")
-        params.check(self.config.max_topk, self.hf_config.vocab_size)
-        params.check_graphs(self.config)
+        tokens = self.admission.check(prompt, params, images)
         sampler = SequenceSampler(params)
         scorer = None if params.prompt_logprobs is None else PromptScorer(list(tokens), params.prompt_logprobs)
         pictures = None if self.image_limits is None else SequenceImages(list(images))
@@ -163,7 +157,7 @@ class Engine:
         sequence = self.sequence(seq_id)
         if sequence.slot is not None:
             raise InputError(f"sequence {seq_id!r} was not preempted: it still holds KV slot {sequence.slot}.")
-        checked = None if tokens is None else self._checked_prompt(tokens)
+        checked = None if tokens is None else self.admission.checked_prompt(tokens)
         if checked is not None and len(checked) < sequence.prompt_len:
             raise InputError(
                 f"sequence {seq_id!r} resumes with {len(checked)} tokens, fewer than its {sequence.prompt_len}-token "
@@ -335,14 +329,6 @@ class Engine:
         rows = torch.cat([self._call(spec, 0, {"pixel_values": batch}) for batch in batches])
         return rows[: pixels.shape[0] * rows.shape[0] // (spec.batch * len(batches))]
 
-    def _image_limits(self) -> ImageLimits | None:
-        """The image limits of an image-text artifact (None for a text-only one)."""
-        family = image_text_family(self.model_config)
-        if family is None or not self.config.image_tiles:
-            return None
-        rows = family.rows_per_tile(self.model_config, self.config.image_size)
-        return ImageLimits(self.config.max_images, self.config.image_size, rows, int(self.model_config.image_token_id))
-
     def _sample_on_host(self, sampler: HostSampler, host: HostRows, result: StepResult) -> None:
         """The tokens of the sequences a `HostSampler` samples, in one call (row b of its logits: slot b)."""
         vocab = next(iter(host.values()))[1].shape[-1]
@@ -379,24 +365,6 @@ class Engine:
         if top is not None:
             basis = logits if scored is None else scored
             result.logprobs[sequence.seq_id] = token_logprobs(basis[None], torch.tensor([token]), top)
-
-    def _checked_prompt(self, prompt: Seq[int]) -> list[int]:
-        """``prompt`` as a list of ints; `InputError` unless it fits a slot and holds only vocabulary ids (an
-        out-of-range id would make a compiled embedding read outside its table)."""
-        limit, vocab = self.config.sequence_length, self.hf_config.vocab_size
-        if not 1 <= len(prompt) <= limit:
-            raise InputError(
-                f"prompt of {len(prompt)} tokens does not fit: this artifact holds 1 to {limit} tokens per sequence; "
-                "shorten the prompt or re-export with a larger --sequence_length."
-            )
-        try:
-            tokens = [operator.index(t) for t in prompt]
-        except TypeError as err:
-            raise InputError(f"prompt token ids must be integers ({err}).") from err
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise InputError(f"prompt token ids {bad[:5]} are not ids of this model's vocabulary (0..{vocab - 1}).")
-        return tokens
 
 
 def _held(sequence: Sequence) -> int:

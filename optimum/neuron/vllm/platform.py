@@ -15,20 +15,22 @@ from typing import Any
 import psutil
 import torch
 
-from ..artifact import read_config
+from ..artifact import read_config, served_heads
 from ..config import NeuronConfig, flag
 from ..errors import IncompatibleConfigError, InputError
-from ..models.layers.parallel import head_layout
+from ..runtime.admission import Admission
 from . import compat
 from .sampling import check_request
+from .supervision import watch_engine_cores
 
 logger = compat.logger(__name__)
 
 _Platform, _PlatformEnum = compat.platform_base()
 
 
-def resolve_limits(vllm_config: Any, neuron: NeuronConfig) -> None:
-    """Set ``max_num_seqs`` / ``max_model_len`` / the token budget from the artifact, refusing more."""
+def resolve_limits(vllm_config: Any, neuron: NeuronConfig, asked_seqs: int | None) -> None:
+    """Set ``max_num_seqs`` / ``max_model_len`` / the token budget from the artifact, refusing more: ``asked_seqs`` is
+    the ``--max-num-seqs`` the user gave (None: vLLM's default, lowered to the artifact's batch size)."""
     model, sched = vllm_config.model_config, vllm_config.scheduler_config
     asked_len = model.original_max_model_len
     if asked_len is not None and asked_len > neuron.sequence_length:
@@ -38,7 +40,7 @@ def resolve_limits(vllm_config: Any, neuron: NeuronConfig) -> None:
         )
     model.max_model_len = asked_len or neuron.sequence_length
     if sched.max_num_seqs > neuron.batch_size:
-        if sched.max_num_seqs not in compat.vllm_default_max_num_seqs():
+        if asked_seqs is not None:
             raise IncompatibleConfigError(
                 f"max_num_seqs={sched.max_num_seqs} exceeds the artifact's batch_size={neuron.batch_size} "
                 "(its KV slots): lower --max-num-seqs or re-export with a larger --batch_size."
@@ -98,8 +100,10 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
     dist_backend = "gloo"
 
     def __init__(self) -> None:
-        self.served: NeuronConfig | None = None
-        """The artifact `check_and_update_config` fitted vLLM to: vLLM calls both that method and
+        self.asked_seqs: int | None = compat.ASKED_UNKNOWN
+        """The ``--max-num-seqs`` of the ``EngineArgs`` building the config (`pre_register_and_update`)."""
+        self.admission: Admission | None = None
+        """What the artifact `check_and_update_config` fitted vLLM to accepts: vLLM calls both that method and
         `validate_request` on its one platform object, and the latter receives no configuration."""
 
     @classmethod
@@ -135,6 +139,18 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         """``torch.no_grad`` (inference tensors cannot be passed to AOTInductor runners as mutable inputs)."""
         return torch.no_grad()
 
+    def pre_register_and_update(self, parser: Any = None) -> None:
+        """Called by vLLM when it builds its argument parser (``parser``) and first thing when ``EngineArgs`` builds
+        a config (no parser): remember the ``max_num_seqs`` the user asked for, before vLLM fills in its default."""
+        if parser is None:
+            self.asked_seqs = compat.asked_max_num_seqs()
+
+    def _take_asked_seqs(self, vllm_config: Any) -> int | None:
+        """The ``max_num_seqs`` asked for the config being checked (once: one config per ``EngineArgs`` call); the
+        config's own value when no ``EngineArgs`` built it."""
+        asked, self.asked_seqs = self.asked_seqs, compat.ASKED_UNKNOWN
+        return vllm_config.scheduler_config.max_num_seqs if asked == compat.ASKED_UNKNOWN else asked
+
     @classmethod
     def update_block_size_for_backend(cls, vllm_config: Any) -> None:
         """Keep the block size chosen in `check_and_update_config` (there is no attention backend)."""
@@ -143,13 +159,14 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         """Fit vLLM's configuration to the artifact being served (see the module docstring)."""
         if vllm_config.model_config is None:
             return
+        watch_engine_cores()  # vllm serve: exit non-zero if an engine core dies
         neuron = read_config(vllm_config.model_config.model)
         fit_parallelism(vllm_config.parallel_config, neuron)
-        if neuron.tp_degree > 1:
-            layout = head_layout(vllm_config.model_config.hf_config, neuron.tp_degree)
-            compat.set_served_heads(vllm_config.model_config, layout.padded_heads, layout.padded_kv_heads)
+        if neuron.tp_degree > 1:  # the heads its graphs compute, padded where they do not split (recorded at export)
+            compat.set_served_heads(vllm_config.model_config, *served_heads(neuron))
         check_sampling_config(vllm_config.model_config)
         vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
+        compat.set_scheduler(vllm_config.scheduler_config, "optimum.neuron.vllm.scheduler.NeuronxScheduler")
         # Start the engine core by spawn, as vLLM's CPU platform does: a process forked after torch ran
         # intra-op (OpenMP) work hangs in its first parallel op (seen: allocating the KV cache).
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -157,12 +174,14 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         vllm_config.scheduler_config.async_scheduling = False
         compat.disable_graph_capture(vllm_config)
         vllm_config.model_config.dtype = neuron.torch_dtype  # what the artifact computes in (logs, metadata)
-        resolve_limits(vllm_config, neuron)
+        resolve_limits(vllm_config, neuron, self._take_asked_seqs(vllm_config))
         if neuron.image_tiles:  # an image-text artifact: vLLM's multimodal processor feeds the runner images
             compat.limit_images(vllm_config, neuron.max_images)
             compat.encoder_budget(vllm_config)
         vllm_config.cache_config.block_size = vllm_config.model_config.max_model_len
-        self.served = neuron
+        from transformers import AutoConfig
+
+        self.admission = Admission.of(AutoConfig.from_pretrained(vllm_config.model_config.model), neuron)
         logger.info(
             "optimum-neuronx: %s (batch_size=%d, sequence_length=%d, prefill_chunk_size=%d, tp_degree=%d) -> "
             "max_num_seqs=%d, max_model_len=%d, max_num_batched_tokens=%d, chunked_prefill=%s",
@@ -178,9 +197,11 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         )
 
     def validate_request(self, processed_inputs: Any, params: Any) -> None:
-        """Refuse, per request, sampling parameters the graphs do not implement or the artifact cannot hold."""
-        assert self.served is not None, "vLLM validates requests only after check_and_update_config"
+        """Refuse, per request and before it is scheduled, what `Engine.admit` would refuse: a prompt, images or
+        sampling parameters the artifact cannot serve (vLLM answers with HTTP 400 and the message)."""
+        assert self.admission is not None, "vLLM validates requests only after check_and_update_config"
         try:
-            check_request(params, self.served)
+            prompt, images = compat.read_prompt(processed_inputs)
+            check_request(prompt, images, params, self.admission)
         except InputError as err:  # vLLM answers its own validation error with HTTP 400, anything else 500
             raise compat.request_error(str(err)) from err

@@ -2,24 +2,33 @@
 
 A thin adapter: finished requests are released, preempted ones preempted, new ones admitted,
 resumed ones resumed, and the scheduled token counts go to the engine as they are, with vLLM's own
-sampler (`compat.HostSampling`, bound to the step's grammar bitmask) for the requests that need it. The
+sampler (`host_sampling.HostSampling`, bound to the step's grammar bitmask) for the requests that need it. The
 engine keeps every request's tokens, cache progress, sampler and prompt logprobs; the runner only checks
 that vLLM's count of computed tokens agrees with the engine's, and keeps a log of what each step ran.
+
+A request the runner cannot run (refused at admission, a count that disagrees, an error of the step that it alone
+causes) is released and reported in `StepOutput.failed`; the step runs for the others (`scheduler.NeuronxScheduler`
+then finishes that request with an error). A step whose every request fails on its own raises: the engine is broken,
+not a request, and vLLM stops (a supervisor restarts it, docs/vllm.md).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError, SlotError
 from ..runtime.engine import Engine
-from ..runtime.images import ImageInput, real_tiles
 from ..runtime.logprobs import Logprobs
 from ..runtime.sequence import StepResult
-from .compat import CachedRequest, HostSampling, Step
-from .sampling import to_sampling_params
+from . import compat
+from .compat import CachedRequest, NewRequest, Step
+from .host_sampling import HostSampling
+from .sampling import to_images, to_sampling_params
+
+logger = compat.logger(__name__)
 
 
 @dataclass
@@ -43,6 +52,8 @@ class StepOutput:
     """The sampled tokens' logprobs, for the requests that ask them."""
     prompt_logprobs: dict[str, Logprobs]
     """The prompt logprobs of the requests that ask them, at the step their prompt completes."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Requests the step could not run, with why: each was released (its KV slot is free) and sampled nothing."""
 
 
 class Runner:
@@ -60,18 +71,58 @@ class Runner:
             self.engine.release(req_id)
         for req_id in step.preempted:
             self.engine.preempt(req_id)
+        failed: dict[str, str] = {}
         for new in step.new:
-            if new.num_computed_tokens:
-                raise SlotError(f"request {new.req_id} arrives with cached tokens, but prefix caching must be off.")
-            images = [ImageInput(real_tiles(i.pixels, i.pixel_mask), i.positions) for i in new.images]
-            self.engine.admit(new.req_id, new.prompt_token_ids, to_sampling_params(new.sampling_params), images)
+            self._guarded(failed, new.req_id, self._admit, new)
         for cached in step.cached:
-            self._sync(cached)
-        result = self.engine.step(step.num_scheduled_tokens, self.host.for_step(grammar_output))
+            self._guarded(failed, cached.req_id, self._sync, cached)
+        work = {r: n for r, n in step.num_scheduled_tokens.items() if r not in failed}
+        result = self._step(work, grammar_output, failed)
         self._record(result)
         scheduled = list(step.num_scheduled_tokens)
         sampled = {r: [result.tokens[r]] if r in result.tokens else [] for r in scheduled}
-        return StepOutput(scheduled, sampled, result.logprobs, result.prompt_logprobs)  # type: ignore[arg-type]
+        return StepOutput(scheduled, sampled, result.logprobs, result.prompt_logprobs, failed)  # type: ignore[arg-type]
+
+    def _admit(self, new: NewRequest) -> None:
+        if new.num_computed_tokens:
+            raise SlotError(f"request {new.req_id} arrives with cached tokens, but prefix caching must be off.")
+        params, images = to_sampling_params(new.sampling_params), to_images(new.images)
+        self.engine.admit(new.req_id, new.prompt_token_ids, params, images)
+
+    def _step(self, work: dict[str, int], grammar_output: Any, failed: dict[str, str]) -> StepResult:
+        """`Engine.step` on ``work``. When it raises, each request is run alone (a failed step leaves every sequence
+        as it was): the ones that fail alone are released into ``failed``; if every one of several fails, the step
+        error is raised again."""
+        sampler = self.host.for_step(grammar_output)
+        try:
+            return self.engine.step(work, sampler)
+        except Exception as err:
+            if len(work) > 1:
+                logger.warning("a step of %d requests failed (%s); running each alone", len(work), err)
+            alone, errors = StepResult(), {}
+            for req_id, count in work.items():
+                try:
+                    _merge(alone, self.engine.step({req_id: count}, sampler))
+                except Exception as alone_err:
+                    errors[req_id] = alone_err
+            if len(work) > 1 and len(errors) == len(work):
+                raise err
+            for req_id, error in errors.items():
+                self._fail(failed, req_id, error)
+            return alone
+
+    def _guarded(self, failed: dict[str, str], req_id: str, run: Callable[[Any], None], request: Any) -> None:
+        """``run(request)``; an error fails that request only."""
+        try:
+            run(request)
+        except Exception as err:
+            self._fail(failed, req_id, err)
+
+    def _fail(self, failed: dict[str, str], req_id: str, err: Exception) -> None:
+        """Release ``req_id`` (its slot is free again) and report it failed, with why."""
+        self.engine.release(req_id)
+        failed[req_id] = f"{type(err).__name__}: {err}"
+        logger.error("request %s cannot run and is finished with an error: %s", req_id, failed[req_id])
 
     def _sync(self, cached: CachedRequest) -> None:
         """Resume a preempted request; check vLLM's computed-token count against the engine's."""
@@ -85,8 +136,17 @@ class Runner:
             )
 
     def _record(self, result: StepResult) -> None:
+        """Log what ``result`` ran (`records`)."""
         if result.decodes or result.prefills:
             decodes = [str(r) for r in result.decodes]
             prefills = [(str(r), start, count) for r, start, count in result.prefills]
             self.records.append(StepRecord(self._steps, decodes, prefills))
         self._steps += 1
+
+
+def _merge(into: StepResult, part: StepResult) -> None:
+    """Add what ``part`` (one request's step) ran and produced to ``into``."""
+    for name in ("tokens", "logits", "logprobs", "prompt_logprobs"):
+        getattr(into, name).update(getattr(part, name))
+    for name in ("decodes", "prefills", "encoded"):
+        getattr(into, name).extend(getattr(part, name))

@@ -3,20 +3,26 @@
 A request that needs only temperature (0 = greedy), top_k (up to the artifact's ``max_topk``: `SamplingParams.check`),
 top_p and seed is sampled by the toolkit's own rule (on device in the token-generation graph, hybrid sampling).
 A request that needs more (penalties, min_p, min_tokens, logit_bias, allowed token ids, bad words, structured
-output) carries its vLLM parameters (``host``) and is sampled by vLLM's own sampler (`compat.HostSampling`).
+output) carries its vLLM parameters (``host``) and is sampled by vLLM's own sampler (`host_sampling.HostSampling`).
 ``logprobs`` and ``prompt_logprobs`` are returned for either; ``n`` is fanned out by vLLM's front end into
 requests of their own. max_tokens, stop / stop_token_ids and ignore_eos are applied by vLLM's scheduler and
 detokenizer.
+
+`check_request` is what the platform refuses before a request is scheduled: the same `runtime.admission.Admission`
+checks `Engine.admit` makes (prompt, images, sampling against the artifact), on the same converted parameters.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from ..config import NeuronConfig
 from ..errors import InputError
+from ..runtime.admission import Admission
+from ..runtime.images import ImageInput, real_tiles
 from ..runtime.sampling import SamplingParams, normalized_top_k
-from . import compat
+from .compat import ImageItem
+from .host_sampling import needs_vllm_sampler
 
 _REFUSED: dict[str, Any] = {
     "prompt_logprob_token_ids": None,
@@ -32,12 +38,15 @@ def unsupported_fields(params: Any) -> list[str]:
     return [name for name, neutral in _REFUSED.items() if getattr(params, name, neutral) not in (neutral, [], {})]
 
 
-def check_request(params: Any, config: NeuronConfig) -> None:
-    """`InputError` when ``params`` asks for something the artifact cannot serve."""
-    ours = to_sampling_params(params)
-    if ours.host is None:
-        ours.check(config.max_topk)
-    ours.check_graphs(config)
+def check_request(prompt: Sequence[int], images: Sequence[ImageItem], params: Any, admission: Admission) -> None:
+    """`InputError` when a request (its prompt token ids, images and vLLM ``SamplingParams``) asks for something
+    the artifact cannot serve: what `Engine.admit` would refuse."""
+    admission.check(prompt, to_sampling_params(params), to_images(images))
+
+
+def to_images(items: Sequence[ImageItem]) -> list[ImageInput]:
+    """The engine's `ImageInput` of each image vLLM's processor made (padding tiles dropped: `real_tiles`)."""
+    return [ImageInput(real_tiles(i.pixels, i.pixel_mask), i.positions) for i in items]
 
 
 def to_sampling_params(params: Any) -> SamplingParams:
@@ -61,5 +70,5 @@ def to_sampling_params(params: Any) -> SamplingParams:
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
         max_tokens=params.max_tokens,
-        host=params if compat.needs_vllm_sampler(params) else None,
+        host=params if needs_vllm_sampler(params) else None,
     )

@@ -18,6 +18,7 @@ from ..modeling import NeuronModelForCausalLM
 from ..runtime.engine import Engine
 from . import compat
 from .runner import Runner
+from .scheduler import runner_output as with_failures
 
 logger = compat.logger(__name__)
 
@@ -125,7 +126,8 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
     def _run(self, step: compat.Step, grammar_output: Any) -> Any:
         assert self.runner is not None, "load_model() runs before the first step"
         out = self.runner.execute(step, grammar_output)
-        return compat.runner_output(out.req_ids, out.sampled, out.logprobs, out.prompt_logprobs)
+        output = compat.runner_output(out.req_ids, out.sampled, out.logprobs, out.prompt_logprobs)
+        return with_failures(output, out.failed)
 
     def execute_dummy_batch(self) -> None:
         """Nothing to run. Under data parallelism vLLM keeps the replicas of an MoE model in lockstep and calls this on

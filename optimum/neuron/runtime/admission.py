@@ -1,0 +1,77 @@
+"""What an artifact accepts as a new sequence: the one place a request is refused before anything is held.
+
+`Admission` is built from the artifact's configs alone (no engine, no weights, no graphs), so the same checks run in
+`Engine.admit` and, before a request is scheduled, in the vLLM platform (`Platform.validate_request`, HTTP 400): a
+prompt that fits a slot and holds only vocabulary ids, images that fit the artifact and the prompt (or none for a
+text-only artifact), sampling within the artifact's ``max_topk``, and the graphs the sampling needs.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import NeuronConfig
+from ..errors import InputError
+from ..models.registry import image_text_family, language_config
+from .images import ImageInput, ImageLimits, check_images
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The limits of one artifact that every new sequence is checked against."""
+
+    config: NeuronConfig
+    vocab_size: int
+    """The language decoder's vocabulary: a prompt id outside it would make a compiled embedding read outside its
+    table."""
+    images: ImageLimits | None
+    """What the artifact accepts as images; None for a text-only artifact."""
+
+    @classmethod
+    def of(cls, model_config: Any, config: NeuronConfig) -> Admission:
+        """The admission of the artifact with transformers config ``model_config`` (an image-text model's whole
+        config) and `NeuronConfig` ``config``."""
+        return cls(config, int(language_config(model_config).vocab_size), image_limits(model_config, config))
+
+    def check(self, prompt: Sequence[int], params: SamplingParams, images: Sequence[ImageInput] = ()) -> list[int]:
+        """``prompt`` as a list of ints; `InputError` for a prompt, images or sampling the artifact cannot serve."""
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"params must be a SamplingParams, got {type(params).__name__}.")
+        tokens = self.checked_prompt(prompt)
+        if self.images is not None:
+            check_images(tokens, images, self.images)
+        elif images:
+            raise InputError("this artifact is text-only: export an image-text model to send images.")
+        params.check(self.config.max_topk, self.vocab_size)
+        params.check_graphs(self.config)
+        return tokens
+
+    def checked_prompt(self, prompt: Sequence[int]) -> list[int]:
+        """``prompt`` as a list of ints; `InputError` unless it fits a slot and holds only vocabulary ids."""
+        limit, vocab = self.config.sequence_length, self.vocab_size
+        if not 1 <= len(prompt) <= limit:
+            raise InputError(
+                f"prompt of {len(prompt)} tokens does not fit: this artifact holds 1 to {limit} tokens per sequence; "
+                "shorten the prompt or re-export with a larger --sequence_length."
+            )
+        try:
+            tokens = [operator.index(t) for t in prompt]
+        except TypeError as err:
+            raise InputError(f"prompt token ids must be integers ({err}).") from err
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise InputError(f"prompt token ids {bad[:5]} are not ids of this model's vocabulary (0..{vocab - 1}).")
+        return tokens
+
+
+def image_limits(model_config: Any, config: NeuronConfig) -> ImageLimits | None:
+    """The image limits of an image-text artifact (None for a text-only one)."""
+    family = image_text_family(model_config)
+    if family is None or not config.image_tiles:
+        return None
+    rows = family.rows_per_tile(model_config, config.image_size)
+    return ImageLimits(config.max_images, config.image_size, rows, int(model_config.image_token_id))

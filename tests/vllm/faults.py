@@ -1,0 +1,27 @@
+"""A vLLM worker extension for tests (``--worker-extension-cls tests.vllm.faults.FaultInjection``): a failure that only
+a step can meet, on demand, reachable through vLLM's ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class FaultInjection:
+    """Methods vLLM adds to the plugin's worker (it must not define any the worker has)."""
+
+    def arm_fault(self, marker: str) -> None:
+        """From now on the engine's step raises, before it runs anything, whenever it is asked to run a sequence
+        whose prompt starts with the token ids ``marker`` (a JSON list): what a graph or sampler failure of that
+        request alone would do."""
+        prefix = json.loads(marker)
+        engine = self.runner.engine  # type: ignore[attr-defined]
+        real = engine.step
+
+        def step(work: Any, sampler: Any = None) -> Any:
+            for seq_id in work:
+                if engine.sequence(seq_id).tokens[: len(prefix)] == prefix:
+                    raise RuntimeError(f"injected fault for {seq_id}")
+            return real(work, sampler)
+
+        engine.step = step
