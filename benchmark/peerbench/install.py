@@ -130,18 +130,21 @@ STEP_GROUPS = {"ours": (0,), "openvino": (0, 1, 2), "llamacpp": (0, 3, 4, 5)}
 
 
 def setup(layout: Layout, only: Sequence[str] = ("ours", "openvino", "llamacpp")) -> dict[str, float]:
-    """Run every missing step the systems in ``only`` need; returns each run step's seconds."""
+    """Run every missing step the systems in ``only`` need; returns each run step's seconds. One setup at a time
+    per folder (a lock file): a second one waits, then finds the steps done and skips them."""
+    from optimum.exporters.neuron.cache import cache_lock
     from optimum.neuron.progress import StepProgress
 
-    wanted = sorted({i for name in only for i in STEP_GROUPS[name]})
-    todo = [STEPS[i] for i in wanted if not STEPS[i].done(layout)]
+    wanted = [STEPS[i] for i in sorted({i for name in only for i in STEP_GROUPS[name]})]
     layout.root.mkdir(parents=True, exist_ok=True)
-    if not todo:
-        print(f"peers: everything is installed under {layout.root}", file=sys.stderr)
-        return {}
-    with StepProgress(f"peers setup ({layout.root})", len(todo)) as bar:
-        for step in todo:
-            log = layout.logs / (step.name.split(" (")[0].replace(" ", "-").replace(":", "") + ".log")
-            with bar.step(step.name):
-                step.run(layout, log)
-        return dict(bar.timings)
+    with cache_lock(layout.root / ".setup.lock"):
+        todo = [step for step in wanted if not step.done(layout)]
+        if not todo:
+            print(f"peers: everything is installed under {layout.root}", file=sys.stderr)
+            return {}
+        with StepProgress(f"peers setup ({layout.root})", len(todo)) as bar:
+            for step in todo:
+                log = layout.logs / (step.name.split(" (")[0].replace(" ", "-").replace(":", "") + ".log")
+                with bar.step(step.name):
+                    step.run(layout, log)
+            return dict(bar.timings)

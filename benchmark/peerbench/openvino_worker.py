@@ -92,19 +92,20 @@ def batching_pipeline(spec: dict[str, Any]) -> Any:
     scheduler.dynamic_split_fuse, scheduler.max_num_batched_tokens = True, SPLIT_FUSE_BUDGET
     scheduler.enable_prefix_caching, scheduler.cache_size = False, 1
     pipe = openvino_genai.ContinuousBatchingPipeline(spec["ir"], scheduler, "CPU", properties(spec))
-    run_requests(pipe, [spec["warmup"]], 4)
+    run_requests(pipe, [spec["warmup"]], 4, first_id=1000)
     return pipe
 
 
-def run_requests(pipe: Any, prompts: list[list[int]], new_tokens: int) -> tuple[list[float], int]:
-    """Add every prompt, then step until all finish; each step's seconds and the tokens generated. The handles
-    are kept until the end (a dropped handle cancels its request)."""
+def run_requests(pipe: Any, prompts: list[list[int]], new_tokens: int, first_id: int = 0) -> tuple[list[float], int]:
+    """Add every prompt (request ids from ``first_id``), then step until all finish; each step's seconds and the
+    tokens generated. The handles are kept until the end (a dropped handle cancels its request)."""
     import numpy
     import openvino
 
     gen = config(new_tokens)
     handles = [
-        pipe.add_request(i, openvino.Tensor(numpy.array([p], dtype=numpy.int64)), gen) for i, p in enumerate(prompts)
+        pipe.add_request(first_id + i, openvino.Tensor(numpy.array([p], dtype=numpy.int64)), gen)
+        for i, p in enumerate(prompts)
     ]
     steps = []
     while pipe.has_non_finished_requests():

@@ -126,13 +126,13 @@ def openvino_measures(plan: Plan, prompts: dict[str, Any]) -> list[Measure]:
         Measure(
             "openvino",
             "decode b8",
-            {"measure": "decode_batch"} | decode | {"prompts": prompts["decode_b8"]},
+            decode | {"measure": "decode_batch", "prompts": prompts["decode_b8"]},
             lambda r: {"decode_b8_ms": {OPENVINO: r["step_ms"]}},
         ),
         Measure(
             "openvino",
             "prefill",
-            {"measure": "prefill", "prompts": prompts["prefill"]},
+            {"measure": "prefill", "prompts": prompts["prefill"], "warmup": prompts["warmup"]},
             lambda r: _prefill_rows(OPENVINO, r),
         ),
         Measure(
