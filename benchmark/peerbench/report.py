@@ -56,7 +56,17 @@ def floor_lines(run: dict[str, Any]) -> list[str]:
         f"this run {machine['read_bw'] / 1e9:.1f} GB/s (the better of a 2-thread fp32 `sum` over 512 MiB and a "
         f"2-thread GEMV over weight-sized matrices); peak {machine['peak_flops'] / 1e9:.0f} GFLOP/s (2-thread fp32 "
         "GEMM 2048^3). Each row's floor is the larger of bytes / bandwidth and FLOPs / peak; the batch workload's "
-        "is a ceiling: its prompts' prefill FLOPs / peak + one batch-8 decode floor per output token.",
+        "is a ceiling: its prompts' prefill FLOPs / peak + one batch decode floor per output token (its two "
+        "columns: all decode steps' floor, all prefills' FLOPs / peak). x floor: figure / floor (throughput: floor "
+        "/ figure), 1.00 = at the floor.",
+        "",
+        "Probes (start, end): "
+        + "; ".join(
+            f"sum {p['read_bw_sum'] / 1e9:.1f} GB/s, GEMV {p['read_bw_gemv'] / 1e9:.1f} GB/s, "
+            f"GEMM {p['peak_flops'] / 1e9:.0f} GFLOP/s"
+            for p in run["probes"]
+        )
+        + ".",
         "",
         "| | bytes / bandwidth | FLOPs / peak | " + " | ".join(f"{COLUMN_LABELS[c]} x floor" for c in COLUMNS) + " |",
         "|---|---|---|" + "---|" * len(COLUMNS),
