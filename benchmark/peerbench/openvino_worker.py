@@ -153,4 +153,4 @@ MEASUREMENTS = {
 if __name__ == "__main__":
     with open(sys.argv[1]) as handle:
         SPEC = json.load(handle)
-    print(json.dumps(MEASUREMENTS[SPEC["measure"]](SPEC)))
+    print("PEERS_RESULT " + json.dumps(MEASUREMENTS[SPEC["measure"]](SPEC)))

@@ -129,7 +129,7 @@ def main() -> None:
     torch.set_num_threads(THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
     result = MEASUREMENTS[spec["measure"]](spec)
-    print(json.dumps(result))
+    print("PEERS_RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -102,4 +102,4 @@ def probe(model_dir: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(probe(sys.argv[1])))
+    print("PEERS_RESULT " + json.dumps(probe(sys.argv[1])))

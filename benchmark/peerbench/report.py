@@ -134,7 +134,7 @@ def plot(run: dict[str, Any], path: Path) -> None:
     bounds, table_rows = floors(run), rows(run)
     fig, axes = plt.subplots(1, len(table_rows), figsize=(3.6 * len(table_rows), 4))
     for ax, row in zip(axes, table_rows, strict=True):
-        names, mids, errs = [], [], [[], []]
+        names, mids, errs, colors = [], [], [[], []], []
         for column in COLUMNS:
             values = cell_samples(run, row.key, column)
             if values:
@@ -143,7 +143,8 @@ def plot(run: dict[str, Any], path: Path) -> None:
                 mids.append(mid)
                 errs[0].append(mid - min(values))
                 errs[1].append(max(values) - mid)
-        ax.bar(range(len(mids)), mids, yerr=errs, capsize=4, color=["C0", "C1", "C2", "C3"][: len(mids)])
+                colors.append(f"C{COLUMNS.index(column)}")
+        ax.bar(range(len(mids)), mids, yerr=errs, capsize=4, color=colors)
         ax.axhline(bounds[row.key]["floor"], linestyle="--", color="grey", label="floor")
         ax.set_xticks(range(len(names)), names, fontsize=7)
         ax.set_title(f"{row.label}\n{row.unit} ({'lower' if row.lower_is_better else 'higher'} is better)", fontsize=9)

@@ -30,17 +30,23 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": THREADS, "MKL_NUM_THREADS": THREADS, "HF_HUB_OFFLINE": "1"}
 
 
+RESULT_MARKER = "PEERS_RESULT "
+"""A worker prints its answer on one line after this marker (libraries may print to stdout after it)."""
+
+
 def run_json(cmd: list[str], spec: dict[str, Any]) -> dict[str, Any]:
-    """Run ``cmd SPEC_FILE`` in a fresh process; its last stdout line as JSON (raise with stderr's tail)."""
+    """Run ``cmd SPEC_FILE`` in a fresh process; its `RESULT_MARKER` line as JSON (raise with the output's tail)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump(spec, handle)
     try:
         done = subprocess.run([*cmd, handle.name], capture_output=True, text=True, env=child_env())
     finally:
         os.unlink(handle.name)
-    if done.returncode != 0:
-        raise RuntimeError(f"exit {done.returncode}: " + " | ".join(done.stderr.strip().splitlines()[-4:]))
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    answers = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARKER)]
+    if done.returncode != 0 or not answers:
+        tail = " | ".join((done.stderr.strip() or done.stdout.strip()).splitlines()[-4:])
+        raise RuntimeError(f"exit {done.returncode}, no result: {tail}")
+    result: dict[str, Any] = json.loads(answers[-1].removeprefix(RESULT_MARKER))
     return result
 
 

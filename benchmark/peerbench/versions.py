@@ -30,7 +30,8 @@ def machine() -> dict[str, str]:
 
 
 def ours() -> str:
-    """Our package's version and the commit of the tree it is imported from (``+dirty`` with local edits)."""
+    """Our package's version and the tree it is imported from, at which commit (``+dirty`` with local edits to
+    ``optimum/``): what the figures measure, whichever checkout that is."""
     import optimum.neuron
 
     root = Path(optimum.neuron.__file__).resolve().parents[2]
@@ -39,7 +40,7 @@ def ours() -> str:
     dirty = subprocess.run([*git, "status", "--porcelain", "optimum"], capture_output=True, text=True).stdout.strip()
     pkgs = ", ".join(f"{n} {metadata.version(n)}" for n in ("torch", "transformers", "vllm"))
     where = f"{root} {commit or '?'}{'+dirty' if dirty else ''}"
-    return f"optimum-neuronx {metadata.version('optimum-neuronx')} at {where}; {pkgs}"
+    return f"optimum-neuronx {optimum.neuron.__version__} imported from {where}; {pkgs}"
 
 
 def openvino(answer: dict[str, Any]) -> str:
