@@ -61,9 +61,10 @@ def settings(sizes: plan.Plan) -> list[str]:
         "EOS, output tokens / wall time; ours = one `generate()` call on the batch-8 artifact and one "
         "`vllm.LLM.generate` call (offline, our plugin); OpenVINO = `ContinuousBatchingPipeline` "
         "(dynamic_split_fuse, max_num_batched_tokens 256, no prefix caching), all requests added at once.",
-        "- Every system: 2 threads, fp32 weights and activations, fp32 KV cache (OpenVINO "
-        "`INFERENCE_PRECISION_HINT=f32`, `KV_CACHE_PRECISION=f32`; llama-bench `-ctk f32 -ctv f32`); prompts are "
-        "token ids, identical for ours and OpenVINO (llama-bench draws its own).",
+        "- Every system: 2 threads, fp32 weights and activations; fp32 KV cache for ours and OpenVINO "
+        "(`INFERENCE_PRECISION_HINT=f32`, `KV_CACHE_PRECISION=f32`), f16 for llama.cpp (llama-bench offers no f32 "
+        "cache; at these contexts the cache is a small part of the bytes read); prompts are token ids, identical "
+        "for ours and OpenVINO (llama-bench draws its own).",
     ]
 
 
@@ -80,6 +81,8 @@ def merge(previous: dict[str, Any], fresh: dict[str, Any], systems: list[str]) -
             if column not in rerun:
                 fresh["figures"].setdefault(row, {})[column] = values
     fresh["log"] = [m for m in previous["log"] if m["system"] not in systems] + fresh["log"]
+    fresh["probes"] = previous["probes"] + fresh["probes"]  # the floors then bound every kept figure too
+    fresh["systems"] = [s for s in SYSTEMS if s in set(previous.get("systems", SYSTEMS)) | set(systems)]
     kept = {k: v for k, v in previous["versions"].items() if k not in systems}
     fresh["versions"] = kept | fresh["versions"]
     fresh["merged"] = f"{', '.join(systems)} rerun; the others from the run of {previous['started']}"
@@ -93,7 +96,8 @@ def measure(layout: Layout, sizes: plan.Plan, systems: list[str], command: str) 
     prompts = plan.inputs(sizes)
     per_round = {"ours": 5, "openvino": 4, "llamacpp": 1}
     total = 4 + ("ours" in systems) + sizes.rounds * sum(per_round[s] for s in systems)
-    run: dict[str, Any] = {"command": command, "rounds": sizes.rounds, "started": time.strftime("%Y-%m-%d %H:%M")}
+    run: dict[str, Any] = {"command": command, "rounds": sizes.rounds, "systems": systems}
+    run["started"] = time.strftime("%Y-%m-%d %H:%M")
     run["workload"] = {"prompt_lengths": [len(p) for p in prompts["workload"]], "new_tokens": sizes.workload_new_tokens}
     run["prefill_lengths"], run["batch"] = list(sizes.prefill_lengths), sizes.batch
     with StepProgress("peers benchmark", total) as bar:

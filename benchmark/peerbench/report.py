@@ -89,11 +89,12 @@ def floor_lines(run: dict[str, Any]) -> list[str]:
 
 def header(run: dict[str, Any]) -> list[str]:
     """Command, machine, versions, settings and loads."""
+    systems = ", ".join(run.get("systems", ["ours", "openvino", "llamacpp"]))
     lines = [
         "# Peers on this CPU: SmolLM2-135M-Instruct fp32, 2 threads, one HF folder",
         "",
-        f"Command: `{run['command']}` ({run['rounds']} interleaved rounds of ours, OpenVINO GenAI, llama.cpp; "
-        f"every measurement in a fresh process; {run['started']} to {run['finished']}).",
+        f"Command: `{run['command']}` ({run['rounds']} interleaved rounds of {systems}; every "
+        f"measurement in a fresh process; {run['started']} to {run['finished']}).",
         "",
         "Machine: " + ", ".join(f"{k} {v}" for k, v in run["machine"].items()),
         "",

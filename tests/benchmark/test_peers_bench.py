@@ -52,6 +52,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {
         "command": "test",
         "rounds": TINY.rounds,
+        "systems": ["ours"],
         "started": "start",
         "finished": "end",
         "machine": {"cpu": "test"},
@@ -115,6 +116,7 @@ def test_rerun_of_one_system_keeps_the_others(tiny_run: dict[str, Any]) -> None:
     merged = peers.merge(previous, fresh, ["ours"])
     assert merged["figures"]["decode_b1_ms"][figures.LLAMA] == [20.0]
     assert merged["versions"]["llamacpp"] == "b1" and "ours rerun" in merged["merged"]
+    assert len(merged["probes"]) == 2 and merged["systems"] == ["ours"]
 
 
 def test_a_missing_peer_names_the_setup_command(tmp_path: Path) -> None:
