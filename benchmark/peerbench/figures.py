@@ -1,0 +1,151 @@
+"""The figures of one run, the ratios the goals name (all within that run) and the floors, computed from the
+recorded JSON alone (so a report can be re-rendered, and tested, without rerunning anything)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+OURS, VLLM, OPENVINO, LLAMA = "ours", "ours vllm.LLM", "openvino", "llamacpp"
+COLUMNS = (OURS, VLLM, OPENVINO, LLAMA)
+COLUMN_LABELS = {
+    OURS: "ours (engine / `generate()`)",
+    VLLM: "ours (`vllm.LLM`)",
+    OPENVINO: "OpenVINO GenAI",
+    LLAMA: "llama.cpp F32",
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the table: a figure every column may have, and whether lower is better."""
+
+    key: str
+    label: str
+    unit: str
+    lower_is_better: bool = True
+
+
+def rows(run: dict[str, Any]) -> list[Row]:
+    """The table's rows for this run: decode at batch 1 and 8, one prefill row per prompt length, the workload."""
+    prefills = [Row(f"prefill_{n}_ms", f"prefill {n:,} tokens", "ms") for n in run["prefill_lengths"]]
+    return [
+        Row("decode_b1_ms", "decode, batch 1", "ms/token"),
+        Row("decode_b8_ms", f"decode, batch {run['batch']}", "ms/step"),
+        *prefills,
+        Row("workload_tok_s", "batch workload", "output tok/s", lower_is_better=False),
+    ]
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A ratio the issue sets a bound on: ``numerator / denominator`` (each a row and a column, or the better of
+    several columns) compared with ``bound``."""
+
+    label: str
+    row: str
+    numerator: str
+    denominators: tuple[str, ...]
+    bound: float
+    at_most: bool = True
+    denominator_row: str | None = None
+
+
+def goals(run: dict[str, Any]) -> list[Goal]:
+    """The goals of issue 26 for this run's rows."""
+    prefills = [
+        Goal(f"prefill {n:,}: ours / OpenVINO", f"prefill_{n}_ms", OURS, (OPENVINO,), 1.0)
+        for n in run["prefill_lengths"]
+    ]
+    batch = run["batch"]
+    return [
+        Goal("decode batch 1: ours / better peer", "decode_b1_ms", OURS, (OPENVINO, LLAMA), 1.0),
+        Goal(f"decode batch {batch} step / our batch-1 step", "decode_b8_ms", OURS, (OURS,), 1.3, True, "decode_b1_ms"),
+        *prefills,
+        Goal("workload tok/s: vllm.LLM / OpenVINO CB", "workload_tok_s", VLLM, (OPENVINO,), 1.0, at_most=False),
+        # a ratio of times: vllm.LLM's time / generate()'s = generate()'s tok/s / vllm.LLM's
+        Goal("workload time: vllm.LLM / engine generate()", "workload_tok_s", OURS, (VLLM,), 1.1),
+    ]
+
+
+def samples(run: dict[str, Any], row: str, column: str) -> list[float]:
+    """The per-round values of one cell (empty when that system has no such figure or it failed)."""
+    return [float(v) for v in run["figures"].get(row, {}).get(column, []) if v is not None]
+
+
+def median(values: list[float]) -> float | None:
+    """The median, or None for no values."""
+    return statistics.median(values) if values else None
+
+
+def cell(values: list[float]) -> str:
+    """``median (min-max)`` of a cell's rounds, ``—`` when empty."""
+    if not values:
+        return "—"
+    mid = statistics.median(values)
+    text = _fmt(mid)
+    return text if len(values) == 1 else f"{text} ({_fmt(min(values))}–{_fmt(max(values))})"
+
+
+def _fmt(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def goal_ratio(run: dict[str, Any], goal: Goal) -> tuple[float | None, str]:
+    """The goal's ratio of medians within the run, and which denominator column it used (the better one: the
+    lower time, the higher throughput)."""
+    top = median(samples(run, goal.row, goal.numerator))
+    row = goal.denominator_row or goal.row
+    bottoms = [(median(samples(run, row, c)), c) for c in goal.denominators]
+    present = [(v, c) for v, c in bottoms if v is not None]
+    if top is None or not present:
+        return None, ""
+    lower = next(r for r in rows(run) if r.key == row).lower_is_better
+    value, column = min(present) if lower else max(present)
+    return top / value, column
+
+
+def met(goal: Goal, ratio: float | None) -> str:
+    """``met`` / ``not met`` / ``n/a``."""
+    if ratio is None:
+        return "n/a"
+    return "met" if (ratio <= goal.bound if goal.at_most else ratio >= goal.bound) else "not met"
+
+
+def floors(run: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Each row's floor from the run's best probe: ``bytes_ms`` = weight bytes / read bandwidth, ``flops_ms`` =
+    FLOPs / peak, ``floor`` the larger (in the row's unit; the workload's is a ceiling in tok/s: its prompts'
+    prefill FLOPs / peak + one batch decode floor per new token)."""
+    from benchmark.peerbench.probes import decode_flops, prefill_flops
+
+    best = machine_limits(run)
+    shape, peak, bytes_ms = run["probes"][0]["shape"], best["peak_flops"], 1000 * best["weight_bytes"] / best["read_bw"]
+
+    def both(flops: float) -> dict[str, float]:
+        flops_ms = 1000 * flops / peak
+        return {"bytes_ms": bytes_ms, "flops_ms": flops_ms, "floor": max(bytes_ms, flops_ms)}
+
+    out = {"decode_b1_ms": both(decode_flops(shape, 1)), "decode_b8_ms": both(decode_flops(shape, run["batch"]))}
+    out |= {f"prefill_{n}_ms": both(prefill_flops(shape, n)) for n in run["prefill_lengths"]}
+    work = run["workload"]
+    prefill_ms = 1000 * sum(prefill_flops(shape, n) for n in work["prompt_lengths"]) / peak
+    decode_ms = work["new_tokens"] * out["decode_b8_ms"]["floor"]
+    tokens = work["new_tokens"] * len(work["prompt_lengths"])
+    out["workload_tok_s"] = {
+        "bytes_ms": decode_ms,
+        "flops_ms": prefill_ms,
+        "floor": 1000 * tokens / (prefill_ms + decode_ms),
+    }
+    return out
+
+
+def machine_limits(run: dict[str, Any]) -> dict[str, float]:
+    """The best read bandwidth (B/s: a ``sum`` or a GEMV stream, whichever read faster) and fp32 peak (FLOP/s) the
+    run's probes measured, and the weight bytes."""
+    probes = run["probes"]
+    return {
+        "read_bw": max(max(p["read_bw_sum"], p["read_bw_gemv"]) for p in probes),
+        "peak_flops": max(p["peak_flops"] for p in probes),
+        "weight_bytes": probes[0]["weight_bytes"],
+    }

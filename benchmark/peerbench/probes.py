@@ -1,0 +1,105 @@
+"""The machine's limits, measured in the same run as the figures they bound (the machines here differ from one
+day to the next: a floor is never quoted from another run). Run in a fresh process with 2 threads:
+
+    python -m benchmark.peerbench.probes MODEL_DIR     # prints one JSON line
+
+- read bandwidth: the best of a 2-thread fp32 ``sum`` over 512 MiB and a 2-thread GEMV streaming matrices of
+  SmolLM2's MLP shape that add up to the model's weight bytes (what a decode step at batch 1 can reach);
+- peak: a 2-thread fp32 GEMM (2048^3), the best of several;
+- the model's weight bytes (tied embeddings once) and FLOPs per token, from its config.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmark.machine import read_bandwidth
+
+THREADS = 2
+
+
+def gemv_bandwidth(total_bytes: int, shape: tuple[int, int] = (1536, 576), repeats: int = 5) -> float:
+    """Bytes per second a chain of fp32 matrix-vector products reads from matrices of ``shape`` adding up to
+    ``total_bytes`` (each read once per pass, far more than any cache holds), best of ``repeats`` passes."""
+    count = max(1, total_bytes // (shape[0] * shape[1] * 4))
+    weights = [torch.randn(shape) for _ in range(count)]
+    x = torch.randn(shape[1])
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for w in weights:
+            torch.mv(w, x)
+        best = min(best, time.perf_counter() - start)
+    return count * shape[0] * shape[1] * 4 / best
+
+
+def gemm_peak(size: int = 2048, repeats: int = 5) -> float:
+    """fp32 FLOP/s of a ``size``-cubed matrix product, best of ``repeats`` (after one warm-up)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def model_shape(model_dir: str | Path) -> dict[str, int]:
+    """Parameter counts and dimensions of a llama-style checkpoint, read from its ``config.json``."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    attn = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    per_layer = attn + 3 * hidden * inter + 2 * hidden
+    embed = config["vocab_size"] * hidden
+    tied = config.get("tie_word_embeddings", False)
+    return {
+        "linear_params": layers * (attn + 3 * hidden * inter),
+        "params": layers * per_layer + hidden + embed * (1 if tied else 2),
+        "lm_head_params": embed,
+        "layers": layers,
+        "q_width": heads * head_dim,
+    }
+
+
+def weight_bytes(shape: dict[str, int], bytes_per_param: int = 4) -> int:
+    """Bytes of weights one decode step reads (tied embeddings once: the lm_head reads them)."""
+    return shape["params"] * bytes_per_param
+
+
+def prefill_flops(shape: dict[str, int], tokens: int) -> float:
+    """FLOPs of a prefill of ``tokens`` tokens producing one token's logits: every linear layer on every token,
+    causal attention (QK^T and PV over the triangle), and the lm_head once."""
+    linear = 2 * tokens * shape["linear_params"]
+    attention = 2 * 2 * shape["layers"] * shape["q_width"] * tokens * (tokens + 1) / 2
+    return linear + attention + 2 * shape["lm_head_params"]
+
+
+def decode_flops(shape: dict[str, int], rows: int = 1) -> float:
+    """FLOPs of one decode step of ``rows`` sequences at a short context (attention negligible)."""
+    return 2 * rows * (shape["linear_params"] + shape["lm_head_params"])
+
+
+def probe(model_dir: str) -> dict[str, Any]:
+    """Every probe, as the report reads them."""
+    torch.set_num_threads(THREADS)
+    shape = model_shape(model_dir)
+    weights = weight_bytes(shape)
+    return {
+        "read_bw_sum": read_bandwidth(),
+        "read_bw_gemv": gemv_bandwidth(weights),
+        "peak_flops": gemm_peak(),
+        "weight_bytes": weights,
+        "shape": shape,
+    }
+
+
+if __name__ == "__main__":
+    print("PEERS_RESULT " + json.dumps(probe(sys.argv[1])))

@@ -1,0 +1,157 @@
+"""Our engine vs OpenVINO GenAI vs llama.cpp on this CPU: SmolLM2-135M-Instruct, fp32, 2 threads, one HF folder.
+
+    python -m benchmark.peers --setup                  # install the peers (idempotent; ~40 min the first time)
+    python -m benchmark.peers [--rounds 3]             # interleaved rounds -> benchmark/results/<machine>/peers.md
+    python -m benchmark.peers --quick                  # a short validation run (written under the cache, not results/)
+    python -m benchmark.peers --only openvino          # rerun one system; the others' figures are kept from peers.json
+
+Measured, each in a fresh process, in rounds of (ours, OpenVINO GenAI, llama.cpp) whose first system rotates:
+decode ms/token at batch 1 (and our and OpenVINO's batch-8 step), prefill of 256 and 1,024 tokens, and 8 prompts of
+~200 tokens -> 128 new tokens each (ours through `generate()` and `vllm.LLM`, OpenVINO's ContinuousBatchingPipeline
+with split-fuse, budget 256). The probes (read bandwidth, fp32 GEMM peak) run at the start and the end of the run
+and give the floors. See benchmark/README.md ("Peers on this CPU").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmark.peerbench import install, plan, report, rounds, versions
+from benchmark.peerbench.figures import LLAMA, OPENVINO, OURS, VLLM
+from benchmark.peerbench.layout import Layout, PeerMissingError
+
+SYSTEMS = ("ours", "openvino", "llamacpp")
+OWNS = {"ours": (OURS, VLLM), "openvino": (OPENVINO,), "llamacpp": (LLAMA,)}
+"""The table's columns each system fills (what ``--only`` replaces)."""
+RESULTS = Path(__file__).parent / "results"
+
+
+def check_installed(layout: Layout, systems: list[str]) -> None:
+    """Stop with the setup command when something a system needs is missing."""
+    needs = {
+        "ours": [layout.model],
+        "openvino": [layout.ready("openvino-venv"), layout.openvino_ir],
+        "llamacpp": [layout.llama_bench, layout.gguf],
+    }
+    for system in systems:
+        for path in needs[system]:
+            if not path.exists():
+                raise PeerMissingError(f"{system} ({path})")
+
+
+def settings(sizes: plan.Plan) -> list[str]:
+    """How each row is measured (printed under the table)."""
+    steps = sizes.decode_steps
+    return [
+        f"- Decode: ours = mean engine step after a {sizes.decode_context}-token prompt ({steps} steps after 3 "
+        f"warm-up; batch 8 = 8 live rows); OpenVINO = `LLMPipeline` TPOT over {steps} tokens (batch 8: mean step "
+        f"of `ContinuousBatchingPipeline` with 8 decoding rows); llama.cpp = `llama-bench -n {steps}` (tg from an "
+        "empty context).",
+        f"- Prefill: time to first token, median of {sizes.prefill_repeats} fresh prompts after a warm-up one; ours "
+        "= one engine step (chunks of 256 inside it, S=2048 artifact, batch 1); OpenVINO = `LLMPipeline` TTFT "
+        "metric (its defaults: paged attention, prefix cache on but never hit); llama.cpp = `llama-bench -p` (pp).",
+        f"- Batch workload: {sizes.workload_prompts} prompts of {sizes.workload_prompt_len} +- "
+        f"{int(100 * sizes.workload_spread)} % tokens -> {sizes.workload_new_tokens} new tokens each, greedy, no "
+        "EOS, output tokens / wall time; ours = one `generate()` call on the batch-8 artifact and one "
+        "`vllm.LLM.generate` call (offline, our plugin); OpenVINO = `ContinuousBatchingPipeline` "
+        "(dynamic_split_fuse, max_num_batched_tokens 256, no prefix caching), all requests added at once.",
+        "- Every system: 2 threads, fp32 weights and activations; fp32 KV cache for ours and OpenVINO "
+        "(`INFERENCE_PRECISION_HINT=f32`, `KV_CACHE_PRECISION=f32`), f16 for llama.cpp (llama-bench offers no f32 "
+        "cache; at these contexts the cache is a small part of the bytes read); prompts are token ids, identical "
+        "for ours and OpenVINO (llama-bench draws its own).",
+    ]
+
+
+def probe(layout: Layout) -> dict[str, Any]:
+    """The probes in a fresh process."""
+    return rounds.run_json([sys.executable, "-m", "benchmark.peerbench.probes", str(layout.model)], {})
+
+
+def merge(previous: dict[str, Any], fresh: dict[str, Any], systems: list[str]) -> dict[str, Any]:
+    """``fresh`` (a run of ``systems`` only) with the other systems' figures and log kept from ``previous``."""
+    rerun = {c for s in systems for c in OWNS[s]}
+    for row, cells in previous["figures"].items():
+        for column, values in cells.items():
+            if column not in rerun:
+                fresh["figures"].setdefault(row, {})[column] = values
+    fresh["log"] = [m for m in previous["log"] if m["system"] not in systems] + fresh["log"]
+    fresh["probes"] = previous["probes"] + fresh["probes"]  # the floors then bound every kept figure too
+    fresh["systems"] = [s for s in SYSTEMS if s in set(previous.get("systems", SYSTEMS)) | set(systems)]
+    kept = {k: v for k, v in previous["versions"].items() if k not in systems}
+    fresh["versions"] = kept | fresh["versions"]
+    fresh["merged"] = f"{', '.join(systems)} rerun; the others from the run of {previous['started']}"
+    return fresh
+
+
+def measure(layout: Layout, sizes: plan.Plan, systems: list[str], command: str) -> dict[str, Any]:
+    """The whole run, as the report reads it."""
+    from optimum.neuron.progress import StepProgress
+
+    prompts = plan.inputs(sizes)
+    per_round = {"ours": 5, "openvino": 4, "llamacpp": 1}
+    total = 4 + ("ours" in systems) + sizes.rounds * sum(per_round[s] for s in systems)
+    run: dict[str, Any] = {"command": command, "rounds": sizes.rounds, "systems": systems}
+    run["started"] = time.strftime("%Y-%m-%d %H:%M")
+    run["workload"] = {"prompt_lengths": [len(p) for p in prompts["workload"]], "new_tokens": sizes.workload_new_tokens}
+    run["prefill_lengths"], run["batch"] = list(sizes.prefill_lengths), sizes.batch
+    with StepProgress("peers benchmark", total) as bar:
+        with bar.step("machine, versions"):
+            run["machine"], run["versions"] = versions.machine(), {}
+            if "ours" in systems:
+                run["versions"]["ours"] = versions.ours()
+            if "openvino" in systems:
+                answer = rounds.execute(layout, rounds.Measure("openvino", "versions", {"measure": "versions"}, dict))
+                run["versions"]["openvino"] = versions.openvino(answer)
+        with bar.step("probes (read bandwidth, GEMM peak)"):
+            run["probes"] = [probe(layout)]
+        artifacts: dict[str, str] = {}
+        if "ours" in systems:
+            with bar.step("our artifacts (export cache)"):
+                artifacts = rounds.export_artifacts(layout, sizes.batch)
+        per_system = rounds.all_measures(sizes, systems, prompts, artifacts)
+        run["figures"], run["log"] = rounds.run_rounds(layout, sizes.rounds, per_system, bar)
+        with bar.step("probes again"):
+            run["probes"].append(probe(layout))
+    if "llamacpp" in systems:
+        first = next((m.get("result") for m in run["log"] if m["system"] == "llamacpp" and m.get("result")), None)
+        run["versions"]["llamacpp"] = versions.llamacpp(first)
+    run["finished"], run["settings"] = time.strftime("%Y-%m-%d %H:%M"), settings(sizes)
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Set up the peers, or run the interleaved rounds and write the report."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setup", action="store_true", help="install what is missing, then exit")
+    parser.add_argument("--only", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="systems to set up / run")
+    parser.add_argument("--quick", action="store_true", help="2 short rounds; report under the cache, not results/")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 2 with --quick)")
+    parser.add_argument("--machine", default="cpu-2core", help="results subfolder (benchmark/results/<machine>/)")
+    parser.add_argument("--out", type=Path, help="report folder (overrides the default)")
+    args = parser.parse_args(argv)
+    layout = Layout.default()
+    if args.setup:
+        for name, seconds in install.setup(layout, args.only).items():
+            print(f"{name}: {seconds:.0f} s")
+        return
+    check_installed(layout, args.only)
+    sizes = plan.Plan.quick(args.rounds) if args.quick else plan.Plan(rounds=args.rounds or 3)
+    out = args.out or (layout.root / "quick" if args.quick else RESULTS / args.machine)
+    command = "python -m benchmark.peers " + shlex.join(argv if argv is not None else sys.argv[1:])
+    run = measure(layout, sizes, args.only, command.strip())
+    previous = out / "peers.json"
+    if set(args.only) != set(SYSTEMS) and previous.is_file():
+        run = merge(json.loads(previous.read_text()), run, args.only)
+    path = report.write(run, out)
+    print(path.read_text())
+    print(f"written: {path} (+ peers.json, peers.png)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
