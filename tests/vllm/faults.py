@@ -25,3 +25,17 @@ class FaultInjection:
             return real(work, sampler)
 
         engine.step = step
+
+    def slow_steps(self, seconds: float) -> None:
+        """From now on every engine step first waits ``seconds``: a stream of the tiny model then lasts long enough to
+        be cut in the middle (unslowed, the engine core can finish it before the client has read its second event)."""
+        import time
+
+        engine = self.runner.engine  # type: ignore[attr-defined]
+        real = engine.step
+
+        def step(work: Any, sampler: Any = None) -> Any:
+            time.sleep(seconds)
+            return real(work, sampler)
+
+        engine.step = step

@@ -60,7 +60,7 @@ class Server:
         except urllib.error.HTTPError as err:
             return err.code, err.read().decode()
 
-    def rpc(self, method: str, *args: str) -> list[Any]:
+    def rpc(self, method: str, *args: Any) -> list[Any]:
         """Each worker's answer to ``method`` (vLLM's ``/collective_rpc``: needs ``VLLM_SERVER_DEV_MODE=1``)."""
         return list(self.post("/collective_rpc", {"method": method, "args": list(args)})["results"])
 

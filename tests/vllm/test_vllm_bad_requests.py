@@ -116,6 +116,7 @@ def test_bad_requests_get_4xx_and_leave_the_server_serving(tmp_path: Path) -> No
         check_one_failed_request_leaves_the_others(server, model, want)
         assert_still_serving(server, model, want, "injected fault")
         core = server.engine_core()
+        server.rpc("slow_steps", 0.2)  # 25 tokens take >= 5 s: the kill at the 2nd event lands mid-stream
         body = {"model": model, "prompt": PROMPT, "max_tokens": 25, "ignore_eos": True, "temperature": 0.0}
         events = server.stream("/v1/completions", body, on_event=lambda n: n == 2 and os.kill(core.pid, signal.SIGKILL))
         server.process.wait(120)  # exits on its own; its status is checked when the block ends
