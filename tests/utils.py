@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,3 +49,13 @@ def _failure_report(stdout: str) -> str:
     start = stdout.find("= FAILURES =")
     report = stdout[start:] if start >= 0 else stdout
     return report[:8000] + ("\n[...]\n" + report[-2000:] if len(report) > 10000 else report[8000:])
+
+
+def settled(read: Callable[[], Any], want: Any, seconds: float = 10.0) -> Any:
+    """``read()`` once it returns ``want``, or its last answer after ``seconds``: for state a server settles on by
+    itself just after answering. Under vLLM's async scheduling, the step that releases the KV slots of the requests
+    that finished last runs after their outputs were returned (a slot never released still fails the check)."""
+    deadline = time.monotonic() + seconds
+    while (got := read()) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.fixtures.llm.models import export_fixture
-from tests.utils import subprocess_test
+from tests.utils import settled, subprocess_test
 from tests.vllm.server import Server, vllm_serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -69,7 +69,7 @@ def completion(server: Server, model: str, **fields: Any) -> dict[str, Any]:
 
 def assert_still_serving(server: Server, model: str, want: list[int], case: str) -> None:
     """Every slot free, healthy, and a greedy request equal to ``want``."""
-    assert server.rpc("slot_usage") == [{}], f"{case}: a KV slot is still held"
+    assert settled(lambda: server.rpc("slot_usage"), [{}]) == [{}], f"{case}: a KV slot is still held"
     assert server.get_status("/health") == 200, f"{case}: the server is not healthy"
     assert completion(server, model)["choices"][0]["token_ids"] == want, f"{case}: greedy output changed"
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.fixtures.llm.idefics3 import idefics3_export, sample_images, tiny_idefics3
-from tests.utils import subprocess_test
+from tests.utils import settled, subprocess_test
 from tests.vllm.server import vllm_serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -49,7 +49,7 @@ def test_llm_generate_with_images_equals_transformers() -> None:
     ]
     outputs = llm.generate(prompts, params)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [transformers_tokens(t, i) for t, i in REQUESTS]
-    assert llm.collective_rpc("slot_usage") == [{}]
+    assert settled(lambda: llm.collective_rpc("slot_usage"), [{}]) == [{}]
     too_many = {"prompt": "<image> " * 7, "multi_modal_data": {"image": [pictures[0]] * 7}}
     with pytest.raises(VLLMValidationError, match="At most 6 image"):
         llm.generate([too_many], params)
@@ -59,7 +59,7 @@ def test_llm_generate_with_images_equals_transformers() -> None:
         llm.generate([tiles], params)
     again = llm.generate([prompts[2]], params)[0].outputs[0].token_ids
     assert list(again) == transformers_tokens(*REQUESTS[2]), "the engine serves on after the refusal"
-    assert llm.collective_rpc("slot_usage") == [{}]
+    assert settled(lambda: llm.collective_rpc("slot_usage"), [{}]) == [{}]
 
 
 def _data_url(index: int) -> str:

@@ -10,6 +10,7 @@ with the decodes of a running request.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 from tests.contract.engine_tools import loaded
 from tests.fixtures.llm.models import cache_dir, export_fixture, tiny_model
 from tests.fixtures.llm.reference import hf_greedy, hf_sampled
-from tests.utils import subprocess_test
+from tests.utils import settled, subprocess_test
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 CHUNK = 8
@@ -123,7 +124,7 @@ def test_long_prompt_chunks_interleave_with_running_decodes() -> None:
         assert r["decodes"], f"step {r['index']} fed a chunk of the long prompt but decoded nothing: {records}"
     budget = CHUNK
     assert all(len(r["decodes"]) + sum(p[2] for p in r["prefills"]) <= budget for r in records), records
-    assert llm.collective_rpc("slot_usage") == [{}], "a finished request kept its KV slot"
+    assert settled(lambda: llm.collective_rpc("slot_usage"), [{}]) == [{}], "a finished request kept its KV slot"
 
 
 @subprocess_test
@@ -145,7 +146,7 @@ def test_n_parallel_samples_are_seeded_wait_for_slots_and_free_them() -> None:
     assert first == again, "the same seed gave other completions"
     assert len({tuple(t) for t in first}) == 3, "the 3 children sampled the same tokens"
     assert other != first, "seeds 7 and 8 agree"
-    assert llm.collective_rpc("slot_usage") == [{}], "a child request kept its KV slot"
+    assert settled(lambda: llm.collective_rpc("slot_usage"), [{}]) == [{}], "a child request kept its KV slot"
 
 
 LONG = 8300
@@ -220,9 +221,33 @@ def test_aborted_requests_give_their_slots_back() -> None:
     # loop runs that step by itself when it has its own process. In-process, this step delivers it.
     engine.step()
     assert outputs["short"] == want["short"], "the request left running changed its tokens"
-    assert llm.collective_rpc("slot_usage") == [{}], "an aborted request kept its KV slot"
+    assert settled(lambda: llm.collective_rpc("slot_usage"), [{}]) == [{}], "an aborted request kept its KV slot"
     records = llm.collective_rpc("step_records")[0]
     fed = prefilled_tokens(records)
     assert 0 < min(fed.values()) < len(long), f"no request was aborted mid-prefill: {records}"
     # Both slots are free again: two requests fill the artifact's batch and finish with the right tokens.
     assert vllm_tokens(llm, [long, short], greedy(4)) == [want["after"], want["short"][:4]]
+
+
+@subprocess_test
+def test_async_and_sync_scheduling_serve_the_same_tokens_and_free_every_slot() -> None:
+    """vLLM schedules step N+1 while our worker runs step N (async, its default) or waits for it: both serve the same
+    tokens as `generate()`. Three requests on a 2-slot artifact (one waits for a slot), one stopped by a stop token
+    mid-run (under async it is already in the next step: that extra decode is dropped and its slot still freed)."""
+    from vllm import LLM, SamplingParams
+
+    artifact = export_fixture("llama-2x4x8-inductor")
+    prompts = [prompt(3, 7), prompt(2 * CHUNK + 1, 8), prompt(5, 9)]
+    want = [our_tokens(artifact, ids, 10) for ids in prompts]
+    stop_at = next(i for i in range(2, 10) if want[1][i] not in want[1][:i])
+    want[1] = want[1][: stop_at + 1]  # vLLM's token ids end with the stop token
+    params = [greedy(10), SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[want[1][-1]]), greedy(10)]
+    for asynchronous in (True, False):
+        llm = LLM(model=str(artifact), seed=0, async_scheduling=asynchronous)
+        assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is asynchronous
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == want, f"async_scheduling={asynchronous}"
+        assert outputs[1].outputs[0].finish_reason == "stop"
+        slots = settled(functools.partial(llm.collective_rpc, "slot_usage"), [{}])
+        assert slots == [{}], f"async_scheduling={asynchronous}: a slot is still held"
+        llm.llm_engine.engine_core.shutdown()

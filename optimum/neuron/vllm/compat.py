@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import lru_cache
 from types import FrameType
 from typing import Any
 
@@ -190,6 +192,28 @@ def runner_output(
             for r, p in (prompt_logprobs or {}).items()
         },
     )
+
+
+def pending_output(future: Future[Any]) -> Any:
+    """A step's output still being computed (on the worker's step thread), as vLLM's ``AsyncModelRunnerOutput``: its
+    executor hands it on at once and calls ``get_output`` when the engine core needs the step's tokens."""
+    return _pending_output_class()(future)
+
+
+@lru_cache(maxsize=1)
+def _pending_output_class() -> type:
+    from vllm.v1.outputs import AsyncModelRunnerOutput
+
+    class PendingOutput(AsyncModelRunnerOutput):
+        """``get_output`` waits for the step (and raises its error: a broken engine stops vLLM, as without async)."""
+
+        def __init__(self, future: Future[Any]) -> None:
+            self.future = future
+
+        def get_output(self) -> Any:
+            return self.future.result()
+
+    return PendingOutput
 
 
 def _logprobs_lists(req_ids: list[str], logprobs: Mapping[str, Any]) -> Any:

@@ -74,6 +74,13 @@ def fit_parallelism(parallel_config: Any, neuron: NeuronConfig) -> None:
     compat.set_tensor_parallel(parallel_config, neuron.tp_degree)
 
 
+def scheduler_class(scheduler_config: Any) -> str:
+    """Our scheduler for vLLM's choice of scheduling, already made when the platform hook runs: async (vLLM's default;
+    step N+1 is scheduled while the worker runs step N) or not (``--no-async-scheduling``)."""
+    kind = "NeuronxAsyncScheduler" if scheduler_config.async_scheduling else "NeuronxScheduler"
+    return f"optimum.neuron.vllm.scheduler.{kind}"
+
+
 def check_sampling_config(model_config: Any) -> None:
     """Refuse engine-wide sampling options the plugin does not implement: logprobs other than vLLM's default raw
     logprobs, and custom logits processors."""
@@ -166,12 +173,11 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
             compat.set_served_heads(vllm_config.model_config, *served_heads(neuron))
         check_sampling_config(vllm_config.model_config)
         vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
-        compat.set_scheduler(vllm_config.scheduler_config, "optimum.neuron.vllm.scheduler.NeuronxScheduler")
+        compat.set_scheduler(vllm_config.scheduler_config, scheduler_class(vllm_config.scheduler_config))
         # Start the engine core by spawn, as vLLM's CPU platform does: a process forked after torch ran
         # intra-op (OpenMP) work hangs in its first parallel op (seen: allocating the KV cache).
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         vllm_config.cache_config.enable_prefix_caching = False
-        vllm_config.scheduler_config.async_scheduling = False
         compat.disable_graph_capture(vllm_config)
         vllm_config.model_config.dtype = neuron.torch_dtype  # what the artifact computes in (logs, metadata)
         resolve_limits(vllm_config, neuron, self._take_asked_seqs(vllm_config))

@@ -4,10 +4,11 @@ finished with an error, and the engine keeps serving the others.
 vLLM treats an exception raised by a worker's ``execute_model`` as fatal to the engine core (every request dies,
 ``vllm serve`` exits), and its ``ModelRunnerOutput`` has no per-request error. So the worker returns
 `FailedRequestsOutput` (a ``ModelRunnerOutput`` naming the requests it released, with why), and `NeuronxScheduler`
-(set as ``scheduler_cls`` by the platform) finishes them with ``RequestStatus.FINISHED_ERROR``: vLLM's front end
-answers that request with its internal-error response (HTTP 500, or an error event in a stream), as it does for its
-own per-request errors (a grammar that rejects a token, a failed KV load). Imported only in the engine core and the
-workers, after vLLM is loaded; with `compat` and `host_sampling`, the only modules that touch vLLM internals.
+(set as ``scheduler_cls`` by the platform; `NeuronxAsyncScheduler` under async scheduling, vLLM's default) finishes
+them with ``RequestStatus.FINISHED_ERROR``: vLLM's front end answers that request with its internal-error response
+(HTTP 500, or an error event in a stream), as it does for its own per-request errors (a grammar that rejects a token,
+a failed KV load). Imported only in the engine core and the workers, after vLLM is loaded; with `compat` and
+`host_sampling`, the only modules that touch vLLM internals.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.outputs import ModelRunnerOutput
@@ -36,6 +38,9 @@ class FailedRequestsOutput(ModelRunnerOutput):
 class NeuronxScheduler(Scheduler):
     """vLLM's ``Scheduler``; the requests a step's output names as failed are finished with an error."""
 
+    # Under async scheduling a failed request may already sit in the next step, scheduled before this output was
+    # read: the runner finds it unknown there and reports it failed again; ``finish_requests`` skips it (finished).
+
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
         """vLLM's update, after finishing the failed requests (``FINISHED_ERROR``: their KV blocks are freed and the
         front end answers each with an error)."""
@@ -49,6 +54,10 @@ class NeuronxScheduler(Scheduler):
             eco.outputs = [*eco.outputs, finished]
             eco.finished_requests = {*(eco.finished_requests or ()), request.request_id}
         return outputs
+
+
+class NeuronxAsyncScheduler(NeuronxScheduler, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` (step N+1 is scheduled while step N runs), finishing failed requests likewise."""
 
 
 def runner_output(base: Any, failed: dict[str, str]) -> Any:

@@ -3,13 +3,20 @@
 It reports a placeholder KV spec (see `compat.placeholder_kv_spec`) sized to exactly
 ``batch_size`` sequences of ``sequence_length`` tokens, so vLLM chunks prompts itself and never
 admits more requests than the artifact has KV slots.
+
+Under async scheduling (vLLM's default) every step runs on one step thread, in the order vLLM sends them: the worker
+answers at once with a pending output, and vLLM schedules step N+1 while step N runs. The runner and the engine are
+touched on that thread only (`_on_step_thread`). A request that step N finishes (a stop token) may already be in step
+N+1: it decodes once more, vLLM drops that token, and step N+2 releases its slot.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,6 +28,7 @@ from .runner import Runner
 from .scheduler import runner_output as with_failures
 
 logger = compat.logger(__name__)
+T = TypeVar("T")
 
 
 class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
@@ -31,6 +39,10 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         self.runner: Runner | None = None
         self._waiting: compat.Step | None = None
         """A step held back by `execute_model` until `sample_tokens` brings its grammar bitmask."""
+        self._steps: ThreadPoolExecutor | None = None
+        """Async scheduling: the one thread that runs steps (and reads the runner), in order."""
+        if self.scheduler_config.async_scheduling:
+            self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="neuronx-step")
 
     # --- lifetime ---------------------------------------------------------------------------
 
@@ -66,7 +78,9 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         )
 
     def shutdown(self) -> None:
-        """Drop the engine (weights, graphs, cache)."""
+        """Finish the step in flight, then drop the engine (weights, graphs, cache)."""
+        if self._steps is not None:
+            self._steps.shutdown(wait=True)
         self.runner = None
 
     # --- KV cache negotiation ---------------------------------------------------------------
@@ -108,19 +122,31 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         return ("generate",)
 
     def execute_model(self, scheduler_output: Any) -> Any:
-        """One scheduler step -> ``ModelRunnerOutput``; None when a scheduled request uses structured output: vLLM's
-        engine core then computes the grammar bitmask and calls `sample_tokens` with it, which runs the step."""
+        """One scheduler step. Without async scheduling: its ``ModelRunnerOutput``, or None when a scheduled request
+        uses structured output (vLLM then computes the grammar bitmask and calls `sample_tokens`, which runs the step).
+        Under async scheduling vLLM calls `sample_tokens` after every step that schedules tokens: the step waits for
+        it (None); a step with none (it may still release finished requests) is queued at once."""
         step = compat.read_step(scheduler_output)
-        if step.structured:
-            self._waiting = step
-            return None
-        return self._run(step, None)
+        if self._waiting is not None:
+            raise RuntimeError("vLLM sent a step before sampling the previous one: the worker's order is broken")
+        if self._steps is None:
+            if step.structured:
+                self._waiting = step
+                return None
+            return self._run(step, None)
+        if not any(step.num_scheduled_tokens.values()):
+            return compat.pending_output(self._steps.submit(self._run, step, None))
+        self._waiting = step
+        return None
 
     def sample_tokens(self, grammar_output: Any) -> Any:
-        """Run the step `execute_model` held back, with its grammar bitmask (``GrammarOutput`` or None)."""
+        """Run the step `execute_model` held back, with its grammar bitmask (``GrammarOutput`` or None); under async
+        scheduling, queue it on the step thread and answer with its pending output."""
         step, self._waiting = self._waiting, None
         if step is None:
             return compat.runner_output([], {})
+        if self._steps is not None:
+            return compat.pending_output(self._steps.submit(self._run, step, grammar_output))
         return self._run(step, grammar_output)
 
     def _run(self, step: compat.Step, grammar_output: Any) -> Any:
@@ -147,11 +173,15 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
     def step_records(self) -> list[dict[str, Any]]:
         """The steps run so far as plain data (``index``, ``decodes``: request ids, ``prefills``:
         ``[req_id, start, count]``), so they cross vLLM's process boundary unchanged."""
-        return [dataclasses.asdict(r) for r in self.runner.records] if self.runner else []
+        return self._on_step_thread(lambda: [dataclasses.asdict(r) for r in self.runner.records] if self.runner else [])
 
     def slot_usage(self) -> dict[int, Any]:
-        """Held KV slots and their request ids."""
-        return self.runner.engine.slots.used if self.runner else {}
+        """Held KV slots and their request ids (after the step in flight, if any)."""
+        return self._on_step_thread(lambda: dict(self.runner.engine.slots.used) if self.runner else {})
+
+    def _on_step_thread(self, read: Callable[[], T]) -> T:
+        """``read()`` where steps run: between two steps, never during one."""
+        return read() if self._steps is None else self._steps.submit(read).result()
 
     def get_model(self) -> Any:
         """The loaded model, as ``NeuronModelForCausalLM``."""
