@@ -4,6 +4,7 @@
     python -m benchmark.peers [--rounds 3]             # interleaved rounds -> benchmark/results/<machine>/peers.md
     python -m benchmark.peers --quick                  # a short validation run (written under the cache, not results/)
     python -m benchmark.peers --only openvino          # rerun one system; the others' figures are kept from peers.json
+    python -m benchmark.peers --only ours --linear-kernel aten --out DIR   # ours on torch's unpacked linears
 
 Measured, each in a fresh process, in rounds of (ours, OpenVINO GenAI, llama.cpp) whose first system rotates:
 decode ms/token at batch 1 (and our and OpenVINO's batch-8 step), prefill of 256 and 1,024 tokens, and 8 prompts of
@@ -89,8 +90,10 @@ def merge(previous: dict[str, Any], fresh: dict[str, Any], systems: list[str]) -
     return fresh
 
 
-def measure(layout: Layout, sizes: plan.Plan, systems: list[str], command: str) -> dict[str, Any]:
-    """The whole run, as the report reads it."""
+def measure(
+    layout: Layout, sizes: plan.Plan, systems: list[str], command: str, linear_kernel: str = "auto"
+) -> dict[str, Any]:
+    """The whole run, as the report reads it (our artifacts exported with ``linear_kernel``)."""
     from optimum.neuron.progress import StepProgress
 
     prompts = plan.inputs(sizes)
@@ -113,7 +116,7 @@ def measure(layout: Layout, sizes: plan.Plan, systems: list[str], command: str) 
         artifacts: dict[str, str] = {}
         if "ours" in systems:
             with bar.step("our artifacts (export cache)"):
-                artifacts = rounds.export_artifacts(layout, sizes.batch)
+                artifacts = rounds.export_artifacts(layout, sizes.batch, linear_kernel)
         per_system = rounds.all_measures(sizes, systems, prompts, artifacts)
         run["figures"], run["log"] = rounds.run_rounds(layout, sizes.rounds, per_system, bar)
         with bar.step("probes again"):
@@ -134,6 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; 2 with --quick)")
     parser.add_argument("--machine", default="cpu-2core", help="results subfolder (benchmark/results/<machine>/)")
     parser.add_argument("--out", type=Path, help="report folder (overrides the default)")
+    parser.add_argument(
+        "--linear-kernel",
+        default="auto",
+        choices=["auto", "aten"],
+        help="our artifacts' --linear_kernel (aten: torch's unpacked linear; a before/after with --only ours --out)",
+    )
     args = parser.parse_args(argv)
     layout = Layout.default()
     if args.setup:
@@ -144,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = plan.Plan.quick(args.rounds) if args.quick else plan.Plan(rounds=args.rounds or 3)
     out = args.out or (layout.root / "quick" if args.quick else RESULTS / args.machine)
     command = "python -m benchmark.peers " + shlex.join(argv if argv is not None else sys.argv[1:])
-    run = measure(layout, sizes, args.only, command.strip())
+    run = measure(layout, sizes, args.only, command.strip(), args.linear_kernel)
     previous = out / "peers.json"
     if set(args.only) != set(SYSTEMS) and previous.is_file():
         run = merge(json.loads(previous.read_text()), run, args.only)

@@ -103,7 +103,8 @@ def vllm(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def export(spec: dict[str, Any]) -> dict[str, Any]:
-    """Our fp32 inductor artifact of ``batch`` rows through the export cache (compiled on first use)."""
+    """Our fp32 inductor artifact of ``batch`` rows (and ``linear_kernel``) through the export cache (compiled on
+    first use)."""
     from optimum.exporters.neuron.export import cached_export
     from optimum.neuron.config import NeuronConfig
 
@@ -113,6 +114,7 @@ def export(spec: dict[str, Any]) -> dict[str, Any]:
         prefill_chunk_size=spec["chunk"],
         auto_cast_type="fp32",
         backend="inductor",
+        linear_kernel=spec.get("linear_kernel", "auto"),
     )
     return {"artifact": str(cached_export(spec["model"], config))}
 

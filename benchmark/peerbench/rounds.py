@@ -70,12 +70,13 @@ def execute(layout: Layout, measure: Measure) -> dict[str, Any]:
     return llamacpp.run(layout, **measure.spec)
 
 
-def export_artifacts(layout: Layout, batch_rows: int = 8) -> dict[str, str]:
-    """Our batch-1 and batch-8 artifacts (fp32, inductor, S=2048, C=256) from the export cache, each export in
-    its own process (a cache hit when the code and the model are unchanged); their folders."""
+def export_artifacts(layout: Layout, batch_rows: int = 8, linear_kernel: str = "auto") -> dict[str, str]:
+    """Our batch-1 and batch-8 artifacts (fp32, inductor, S=2048, C=256, ``--linear_kernel linear_kernel``) from the
+    export cache, each export in its own process (a cache hit when the code and the model are unchanged); their
+    folders."""
     out = {}
     for batch in (1, batch_rows):
-        spec = {"measure": "export", "model": str(layout.model), "batch": batch}
+        spec = {"measure": "export", "model": str(layout.model), "batch": batch, "linear_kernel": linear_kernel}
         result = execute(
             layout, Measure("ours", "export", spec | {"sequence_length": SEQUENCE_LENGTH, "chunk": CHUNK}, dict)
         )
