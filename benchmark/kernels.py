@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -101,7 +102,9 @@ def main() -> None:
     with torch.no_grad():
         floors = {"read_gbs": read_bandwidth() / 1e9, "peak_gflops": peak_gflops(budget)}
         table = {name: measure_shape(*shape, rows, budget) for name, shape in SHAPES.items()}
-    body = {"machine": describe(), "threads": torch.get_num_threads(), "floors": floors, "results": table}
+    isa = os.environ.get("OPTIMUM_NEURON_PACKED_ISA", "the best the CPU has: avx512 > avx2 > portable")
+    body = {"machine": describe(), "threads": torch.get_num_threads(), "packed_isa": isa, "floors": floors}
+    body["results"] = table
     out = RESULTS / args.machine / ("kernels-quick.json" if args.quick else "kernels.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(body, indent=1))
@@ -119,7 +122,7 @@ def render(body: dict) -> str:
         "",
         "Command: `.venv/bin/python -m benchmark.kernels`. Machine: "
         + ", ".join(f"{k} {v}" for k, v in body["machine"].items())
-        + f"; {body['threads']} threads.",
+        + f"; {body['threads']} threads; our kernel's path (OPTIMUM_NEURON_PACKED_ISA): {body.get('packed_isa')}.",
         f"Floors measured in the same run: read bandwidth {floors['read_gbs']:.1f} GB/s (fp32 sum over 512 MiB), "
         f"GEMM peak {floors['peak_gflops']:.0f} GFLOP/s (torch.mm 1024^3).",
         "",

@@ -129,3 +129,46 @@ def test_pack_decoder_swaps_exactly_the_packable_modules(tied: bool) -> None:
     torch.testing.assert_close(decoder.model.layers[0](h), plain.model.layers[0](h))
     head = lambda m: m.model.embed_tokens if tied else m.lm_head  # noqa: E731
     torch.testing.assert_close(head_logits(head(decoder), h), head_logits(head(plain), h))
+
+
+_PRODUCTS = """
+import sys, torch
+from optimum.neuron.kernels import packed
+packed.load()
+torch.manual_seed(2)
+out = {}
+for rows in (1, 6, 8, 64, 256):
+    for n, k in ((100, 600), (49, 1536), (576, 576)):
+        w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
+        out[(rows, n, k)] = packed.packed_linear(x, packed.pack(w), b, n)
+torch.save(out, sys.argv[1])
+"""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            line = next((row for row in info if row.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.split(":", 1)[-1].split())
+
+
+@pytest.mark.skipif(not {"avx512f", "avx2", "fma"} <= _cpu_flags(), reason="needs a CPU with AVX-512 and AVX2 + FMA")
+def test_avx512_and_avx2_paths_are_bitwise_equal(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The AVX-512 tile (16-float registers, other tile sizes) runs the same fused multiply-adds in the same order as
+    the AVX2 one: every output is bitwise equal, for decode and prefill row counts (each path in its own process:
+    OPTIMUM_NEURON_PACKED_ISA is read once)."""
+    import os
+    import subprocess
+    import sys
+
+    results = {}
+    for isa in ("avx512", "avx2"):
+        path = tmp_path / f"{isa}.pt"
+        env = {**os.environ, "OPTIMUM_NEURON_PACKED_ISA": isa}
+        subprocess.run([sys.executable, "-c", _PRODUCTS, str(path)], env=env, check=True)
+        results[isa] = torch.load(path)
+    assert results["avx512"].keys() == results["avx2"].keys()
+    for key, value in results["avx512"].items():
+        assert torch.equal(value, results["avx2"][key]), key

@@ -4,7 +4,9 @@ A weight ``W [N, K]`` is packed once at load into ``[ceil(N / 16), K, 16]`` (`pa
 contiguous stretch of memory over the whole K, the zero-padded last panel included. The kernel
 (``csrc/packed_linear.cpp``) streams a panel once per K block for every row of the call, so a decode step with 8 rows
 reads its weights once, as a step with 1 row does; it sums each output in one fixed order whatever the row count or
-the threads, so equal rows give bitwise equal outputs (DESIGN.md invariant 4).
+the threads, so equal rows give bitwise equal outputs (DESIGN.md invariant 4). It runs AVX-512 where the CPU has it,
+else AVX2 + FMA (bitwise equal results), else portable C++; ``OPTIMUM_NEURON_PACKED_ISA=avx2`` (or ``portable``) picks
+a lesser path, read once per process.
 
 The operator's schema and its shape function are defined here (what ``torch.export`` and AOTInductor need: a compiled
 graph calls the operator by name through the dispatcher); its CPU implementation is a small C++ library compiled on

@@ -9,6 +9,11 @@
 // a row's result depends only on the row: two equal rows of one call give bitwise equal outputs (the padded columns
 // of a prefill chunk, DESIGN.md invariant 4), whatever M is and wherever the rows sit.
 //
+// Instruction sets. AVX-512 (one 16-float register per panel row, 32 registers) where the CPU has it, else AVX2 + FMA
+// (two 8-float registers per panel row, 16 registers), else portable C++. The two vector paths run the same fused
+// multiply-adds in the same order, so they give bitwise equal results; OPTIMUM_NEURON_PACKED_ISA=avx2 or portable
+// (read once) picks a lesser path, for comparison and tests.
+//
 // Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block);
 // each thread walks K in blocks of 64 and, within a block, every row block (up to 6 rows) over the group, so the
 // panel's block stays in L1 while every row uses it, and the memory stream of the weights never pauses for a second
@@ -19,6 +24,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -33,7 +40,8 @@ constexpr int64_t kPanel = 16;     // output columns per panel (two 8-float vect
 constexpr int64_t kBlockK = 64;    // K steps per block
 constexpr int64_t kMaxRows = 6;    // rows per tile
 constexpr int64_t kMaxPanels = 4;  // panels per tile
-constexpr int kAccumulators = 12;  // vector accumulators a tile may hold (16 registers: 12 + weights + broadcast)
+
+enum class Isa { kPortable, kAvx2, kAvx512 };
 
 // One tile's work: `rows` rows of x times `panels` panels over one K block.
 struct Tile {
@@ -97,6 +105,52 @@ __attribute__((target("avx,fma"))) void tile_fma(const Tile& t) {
 #pragma GCC unroll 8
     for (int j = 0; j < A; ++j) _mm256_storeu_ps(t.out + r * t.ldout + 8 * j, acc[r * A + j]);
 }
+
+// The same tile with one 16-float register per panel row (the same fused multiply-adds, in the same order).
+template <int R, int P>
+__attribute__((target("avx512f"))) void tile_avx512(const Tile& t) {
+  __m512 acc[R * P];
+  if (t.in == nullptr) {
+#pragma GCC unroll 32
+    for (int i = 0; i < R * P; ++i) acc[i] = _mm512_setzero_ps();
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) acc[r * P + p] = _mm512_loadu_ps(t.in + r * t.ldin + kPanel * p);
+  }
+  const float* x = t.x;
+  const float* w = t.w;
+  const int64_t steps = t.steps, ldx = t.ldx, ldw = t.ldw;
+  const bool prefetch = t.prefetch;
+  for (int64_t k = 0; k < steps; ++k) {
+    __m512 v[P];
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      const float* at = w + p * ldw + k * kPanel;
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(at + kBlockK * kPanel), _MM_HINT_T0);
+      v[p] = _mm512_loadu_ps(at);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) acc[r * P + p] = _mm512_fmadd_ps(b, v[p], acc[r * P + p]);
+    }
+  }
+  if (t.bias != nullptr) {
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      const __m512 b = _mm512_loadu_ps(t.bias + kPanel * p);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r * P + p] = _mm512_add_ps(acc[r * P + p], b);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(t.out + r * t.ldout + kPanel * p, acc[r * P + p]);
+}
 #endif
 
 // The same tile in portable C++ (no fused multiply-add: the machine's own rounding, same order).
@@ -118,14 +172,28 @@ void tile_portable(const Tile& t) {
 
 using TileFn = void (*)(const Tile&);
 
-bool has_fma() {
+// The best path this CPU has, lowered by OPTIMUM_NEURON_PACKED_ISA (avx2, portable); read once.
+Isa detect_isa() {
+  const char* asked = std::getenv("OPTIMUM_NEURON_PACKED_ISA");
+  const bool portable_only = asked != nullptr && std::strcmp(asked, "portable") == 0;
+  const bool no_avx512 = portable_only || (asked != nullptr && std::strcmp(asked, "avx2") == 0);
 #ifdef OPTIMUM_NEURON_X86
-  static const bool found = __builtin_cpu_supports("avx") && __builtin_cpu_supports("fma");
-  return found;
-#else
-  return false;
+  if (!no_avx512 && __builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  if (!portable_only && __builtin_cpu_supports("avx") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
 #endif
+  (void)no_avx512;
+  return Isa::kPortable;
 }
+
+Isa isa() {
+  static const Isa found = detect_isa();
+  return found;
+}
+
+// Vector registers a tile may hold as accumulators (the rest: the panels' weights and the broadcast), and how many
+// one row of one panel takes.
+int64_t accumulators() { return isa() == Isa::kAvx512 ? 24 : 12; }
+int64_t registers_per_panel() { return isa() == Isa::kAvx512 ? 1 : 2; }
 
 template <int P>
 TileFn tile_for_rows(int64_t rows) {
@@ -134,7 +202,10 @@ TileFn tile_for_rows(int64_t rows) {
 #ifdef OPTIMUM_NEURON_X86
   static const TileFn fma[kMaxRows] = {tile_fma<1, P>, tile_fma<2, P>, tile_fma<3, P>,
                                        tile_fma<4, P>, tile_fma<5, P>, tile_fma<6, P>};
-  if (has_fma()) return fma[rows - 1];
+  static const TileFn avx512[kMaxRows] = {tile_avx512<1, P>, tile_avx512<2, P>, tile_avx512<3, P>,
+                                          tile_avx512<4, P>, tile_avx512<5, P>, tile_avx512<6, P>};
+  if (isa() == Isa::kAvx512) return avx512[rows - 1];
+  if (isa() == Isa::kAvx2) return fma[rows - 1];
 #endif
   return portable[rows - 1];
 }
@@ -162,7 +233,8 @@ RowBlocks row_blocks(int64_t m) {
 // Panels per tile: the most the accumulators allow for the widest row block, lowered when that balances the
 // threads better (12 panels on 2 threads: 3 groups of 4 would leave one thread with twice the work).
 int64_t panels_per_tile(int64_t widest, int64_t panels, int64_t threads) {
-  const int64_t most = std::max<int64_t>(1, std::min<int64_t>(kMaxPanels, kAccumulators / (2 * widest)));
+  const int64_t most =
+      std::max<int64_t>(1, std::min<int64_t>(kMaxPanels, accumulators() / (registers_per_panel() * widest)));
   int64_t best = 1, best_cost = INT64_MAX;
   for (int64_t p = most; p >= 1; --p) {
     const int64_t groups = (panels + p - 1) / p;
