@@ -28,7 +28,11 @@ PANEL = 16
 """Output columns per panel."""
 OPERATOR = "optimum_neuron::packed_linear"
 SOURCE = Path(__file__).with_name("csrc") / "packed_linear.cpp"
-_FLAGS = ("-O3",)
+_FLAGS = ("-O3", "-fopenmp")
+"""``-fopenmp``: ``at::parallel_for`` is inlined from ATen's OpenMP header into the kernel, and without the flag its
+``#pragma omp parallel`` is ignored: the kernel then ran on one thread whatever torch's thread count."""
+_LDFLAGS = ("-fopenmp",)
+"""libgomp.so.1, the soname torch itself loads: the loader reuses torch's runtime, so there is one thread pool."""
 
 torch.library.define(OPERATOR, "(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor")
 
@@ -90,6 +94,7 @@ def load() -> None:
                     sources=[str(SOURCE)],
                     build_directory=str(build),
                     extra_cflags=list(_FLAGS),
+                    extra_ldflags=list(_LDFLAGS),
                     is_python_module=False,
                     verbose=False,
                 )
@@ -103,5 +108,5 @@ def load() -> None:
 
 def _build_key() -> str:
     """What the compiled library depends on: its source, torch's version and the flags."""
-    payload = SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_FLAGS).encode()
+    payload = SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_FLAGS + _LDFLAGS).encode()
     return hashlib.sha256(payload).hexdigest()[:16]
