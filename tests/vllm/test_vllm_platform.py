@@ -32,10 +32,12 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     assert sched.enable_chunked_prefill and sched.max_num_batched_tokens == 8, "token budget = one chunk"
     assert config.parallel_config.worker_cls == "optimum.neuron.vllm.worker.NeuronxWorker"
     assert not config.cache_config.enable_prefix_caching
-    assert config.scheduler_config.async_scheduling, "vLLM's default async scheduling is kept"
-    assert config.scheduler_config.scheduler_cls == "optimum.neuron.vllm.scheduler.NeuronxAsyncScheduler"
-    sync = engine_config(chunked, async_scheduling=False).scheduler_config
-    assert (sync.async_scheduling, sync.scheduler_cls) == (False, "optimum.neuron.vllm.scheduler.NeuronxScheduler")
+    sync = "optimum.neuron.vllm.scheduler.NeuronxScheduler", "optimum.neuron.vllm.scheduler.NeuronxAsyncScheduler"
+    sched = config.scheduler_config  # a CPU artifact: vLLM's default (async) is turned off, an explicit choice kept
+    assert (sched.async_scheduling, sched.scheduler_cls) == (False, sync[0])
+    for asked in (True, False):
+        sched = engine_config(chunked, async_scheduling=asked).scheduler_config
+        assert (sched.async_scheduling, sched.scheduler_cls) == (asked, sync[asked]), asked
     config = engine_config(ce)
     assert not config.scheduler_config.enable_chunked_prefill
     assert config.scheduler_config.max_num_batched_tokens >= 32, "a context-encoding artifact needs whole prompts"

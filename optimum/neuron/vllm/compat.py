@@ -247,15 +247,19 @@ def placeholder_page_bytes(block_size: int) -> int:
     return int(placeholder_kv_spec(block_size)[KV_LAYER_NAME].page_size_bytes)
 
 
-ASKED_UNKNOWN = -1
-"""`asked_max_num_seqs` when no ``EngineArgs`` is building the config (then the config's value is taken as asked)."""
+@dataclass(frozen=True)
+class Asked:
+    """What the user gave for the settings the platform fits, None where vLLM's default stands."""
+
+    max_num_seqs: int | None
+    async_scheduling: bool | None
 
 
-def asked_max_num_seqs() -> int | None:
-    """The ``max_num_seqs`` the user gave (None: vLLM's default), read from the ``EngineArgs`` whose
-    ``create_engine_config`` calls ``Platform.pre_register_and_update()`` first thing, before vLLM fills its default
-    in (``_set_default_max_num_seqs_and_batched_tokens_args``: 128 or 256 per CPU rank, or doubled, are also values a
-    user may give, so the config alone cannot tell them apart); `ASKED_UNKNOWN` when no ``EngineArgs`` is found."""
+def asked_engine_args() -> Asked | None:
+    """The `Asked` settings of the ``EngineArgs`` whose ``create_engine_config`` calls
+    ``Platform.pre_register_and_update()`` first thing, before vLLM fills its defaults in (``max_num_seqs``: 128 or
+    256 per CPU rank, or doubled, are also values a user may give; ``async_scheduling``: None becomes True), so the
+    config alone cannot tell a choice from a default; None when no ``EngineArgs`` is found."""
     import sys
 
     from vllm.engine.arg_utils import EngineArgs
@@ -266,9 +270,9 @@ def asked_max_num_seqs() -> int | None:
             break
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, EngineArgs):
-            return candidate.max_num_seqs
+            return Asked(candidate.max_num_seqs, candidate.async_scheduling)
         frame = frame.f_back
-    return ASKED_UNKNOWN
+    return None
 
 
 ENGINE_PROCESS_PREFIX = "EngineCore"

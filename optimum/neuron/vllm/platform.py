@@ -74,6 +74,16 @@ def fit_parallelism(parallel_config: Any, neuron: NeuronConfig) -> None:
     compat.set_tensor_parallel(parallel_config, neuron.tp_degree)
 
 
+def async_scheduling(neuron: NeuronConfig, asked: bool | None) -> bool:
+    """vLLM's async scheduling, unless the user left it to its default and the artifact runs on the CPU: there the
+    graphs' threads take every core, so the engine core's scheduling of step N+1 cannot overlap step N and only
+    competes with it (SmolLM2 batch 8 on 2 cores, 8 x 200 -> 128 tokens through ``vllm.LLM``: 166 tok/s sync vs 116
+    async; benchmark/README.md). An explicit ``--async-scheduling`` / ``--no-async-scheduling`` is kept."""
+    if asked is None:
+        return neuron.device != "cpu"
+    return asked
+
+
 def scheduler_class(scheduler_config: Any) -> str:
     """Our scheduler for vLLM's choice of scheduling, already made when the platform hook runs: async (vLLM's default;
     step N+1 is scheduled while the worker runs step N) or not (``--no-async-scheduling``)."""
@@ -107,8 +117,8 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
     dist_backend = "gloo"
 
     def __init__(self) -> None:
-        self.asked_seqs: int | None = compat.ASKED_UNKNOWN
-        """The ``--max-num-seqs`` of the ``EngineArgs`` building the config (`pre_register_and_update`)."""
+        self.asked: compat.Asked | None = None
+        """What the ``EngineArgs`` building the config asked for (`pre_register_and_update`); None: unknown."""
         self.admission: Admission | None = None
         """What the artifact `check_and_update_config` fitted vLLM to accepts: vLLM calls both that method and
         `validate_request` on its one platform object, and the latter receives no configuration."""
@@ -148,19 +158,16 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
 
     def pre_register_and_update(self, parser: Any = None) -> None:
         """Called by vLLM when it builds its argument parser (``parser``) and first thing when ``EngineArgs`` builds
-        a config (no parser): remember the ``max_num_seqs`` the user asked for, before vLLM fills in its default."""
+        a config (no parser): remember what the user asked for, before vLLM fills in its defaults."""
         if parser is None:
-            self.asked_seqs = compat.asked_max_num_seqs()
+            self.asked = compat.asked_engine_args()
 
-    def _take_asked_seqs(self, vllm_config: Any) -> int | None:
-        """The ``max_num_seqs`` asked for the config being checked (once: one config per ``EngineArgs`` call); the
-        config's own value when no ``EngineArgs`` built it."""
-        asked, self.asked_seqs = self.asked_seqs, compat.ASKED_UNKNOWN
-        return vllm_config.scheduler_config.max_num_seqs if asked == compat.ASKED_UNKNOWN else asked
-
-    @classmethod
-    def update_block_size_for_backend(cls, vllm_config: Any) -> None:
-        """Keep the block size chosen in `check_and_update_config` (there is no attention backend)."""
+    def _take_asked(self, vllm_config: Any) -> compat.Asked:
+        """What was asked for the config being checked (once: one config per ``EngineArgs`` call); the config's own
+        values when no ``EngineArgs`` built it."""
+        asked, self.asked = self.asked, None
+        sched = vllm_config.scheduler_config
+        return asked or compat.Asked(sched.max_num_seqs, sched.async_scheduling)
 
     def check_and_update_config(self, vllm_config: Any) -> None:
         """Fit vLLM's configuration to the artifact being served (see the module docstring)."""
@@ -173,6 +180,8 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
             compat.set_served_heads(vllm_config.model_config, *served_heads(neuron))
         check_sampling_config(vllm_config.model_config)
         vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
+        asked = self._take_asked(vllm_config)
+        vllm_config.scheduler_config.async_scheduling = async_scheduling(neuron, asked.async_scheduling)
         compat.set_scheduler(vllm_config.scheduler_config, scheduler_class(vllm_config.scheduler_config))
         # Start the engine core by spawn, as vLLM's CPU platform does: a process forked after torch ran
         # intra-op (OpenMP) work hangs in its first parallel op (seen: allocating the KV cache).
@@ -180,7 +189,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         vllm_config.cache_config.enable_prefix_caching = False
         compat.disable_graph_capture(vllm_config)
         vllm_config.model_config.dtype = neuron.torch_dtype  # what the artifact computes in (logs, metadata)
-        resolve_limits(vllm_config, neuron, self._take_asked_seqs(vllm_config))
+        resolve_limits(vllm_config, neuron, asked.max_num_seqs)
         if neuron.image_tiles:  # an image-text artifact: vLLM's multimodal processor feeds the runner images
             compat.limit_images(vllm_config, neuron.max_images)
             compat.encoder_budget(vllm_config)
