@@ -85,8 +85,8 @@ def async_scheduling(neuron: NeuronConfig, asked: bool | None) -> bool:
 
 
 def scheduler_class(scheduler_config: Any) -> str:
-    """Our scheduler for vLLM's choice of scheduling, already made when the platform hook runs: async (vLLM's default;
-    step N+1 is scheduled while the worker runs step N) or not (``--no-async-scheduling``)."""
+    """Our scheduler for the scheduling chosen (`async_scheduling`): async (step N+1 is scheduled while the worker runs
+    step N) or not."""
     kind = "NeuronxAsyncScheduler" if scheduler_config.async_scheduling else "NeuronxScheduler"
     return f"optimum.neuron.vllm.scheduler.{kind}"
 
@@ -168,6 +168,10 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         asked, self.asked = self.asked, None
         sched = vllm_config.scheduler_config
         return asked or compat.Asked(sched.max_num_seqs, sched.async_scheduling)
+
+    @classmethod
+    def update_block_size_for_backend(cls, vllm_config: Any) -> None:
+        """Keep the block size chosen in `check_and_update_config` (there is no attention backend)."""
 
     def check_and_update_config(self, vllm_config: Any) -> None:
         """Fit vLLM's configuration to the artifact being served (see the module docstring)."""

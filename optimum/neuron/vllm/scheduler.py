@@ -4,7 +4,7 @@ finished with an error, and the engine keeps serving the others.
 vLLM treats an exception raised by a worker's ``execute_model`` as fatal to the engine core (every request dies,
 ``vllm serve`` exits), and its ``ModelRunnerOutput`` has no per-request error. So the worker returns
 `FailedRequestsOutput` (a ``ModelRunnerOutput`` naming the requests it released, with why), and `NeuronxScheduler`
-(set as ``scheduler_cls`` by the platform; `NeuronxAsyncScheduler` under async scheduling, vLLM's default) finishes
+(set as ``scheduler_cls`` by the platform; `NeuronxAsyncScheduler` under async scheduling) finishes
 them with ``RequestStatus.FINISHED_ERROR``: vLLM's front end answers that request with its internal-error response
 (HTTP 500, or an error event in a stream), as it does for its own per-request errors (a grammar that rejects a token,
 a failed KV load). Imported only in the engine core and the workers, after vLLM is loaded; with `compat` and

@@ -4,10 +4,10 @@ It reports a placeholder KV spec (see `compat.placeholder_kv_spec`) sized to exa
 ``batch_size`` sequences of ``sequence_length`` tokens, so vLLM chunks prompts itself and never
 admits more requests than the artifact has KV slots.
 
-Under async scheduling (vLLM's default) every step runs on one step thread, in the order vLLM sends them: the worker
-answers at once with a pending output, and vLLM schedules step N+1 while step N runs. The runner and the engine are
-touched on that thread only (`_on_step_thread`). A request that step N finishes (a stop token) may already be in step
-N+1: it decodes once more, vLLM drops that token, and step N+2 releases its slot.
+Under async scheduling (vLLM's default, off by default for a CPU artifact) every step runs on one step thread, in
+the order vLLM sends them: the worker answers at once with a pending output, and vLLM schedules step N+1 while step N
+runs. The runner and the engine are touched on that thread only (`_on_step_thread`). A request that step N finishes (a
+stop token) may already be in step N+1: it decodes once more, vLLM drops that token, and step N+2 releases its slot.
 """
 
 from __future__ import annotations
