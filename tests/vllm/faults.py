@@ -4,7 +4,19 @@ a step can meet, on demand, reachable through vLLM's ``/collective_rpc`` (``VLLM
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
+
+
+def before_each_step(engine: Any, before: Callable[[Any], None]) -> None:
+    """From now on ``engine.step(work, sampler)`` first calls ``before(work)``."""
+    real = engine.step
+
+    def step(work: Any, sampler: Any = None) -> Any:
+        before(work)
+        return real(work, sampler)
+
+    engine.step = step
 
 
 class FaultInjection:
@@ -16,26 +28,17 @@ class FaultInjection:
         request alone would do."""
         prefix = json.loads(marker)
         engine = self.runner.engine  # type: ignore[attr-defined]
-        real = engine.step
 
-        def step(work: Any, sampler: Any = None) -> Any:
+        def check(work: Any) -> None:
             for seq_id in work:
                 if engine.sequence(seq_id).tokens[: len(prefix)] == prefix:
                     raise RuntimeError(f"injected fault for {seq_id}")
-            return real(work, sampler)
 
-        engine.step = step
+        before_each_step(engine, check)
 
     def slow_steps(self, seconds: float) -> None:
         """From now on every engine step first waits ``seconds``: a stream of the tiny model then lasts long enough to
         be cut in the middle (unslowed, the engine core can finish it before the client has read its second event)."""
         import time
 
-        engine = self.runner.engine  # type: ignore[attr-defined]
-        real = engine.step
-
-        def step(work: Any, sampler: Any = None) -> Any:
-            time.sleep(seconds)
-            return real(work, sampler)
-
-        engine.step = step
+        before_each_step(self.runner.engine, lambda work: time.sleep(seconds))  # type: ignore[attr-defined]
