@@ -7,7 +7,7 @@ An artifact directory holds::
     neuron_config.json                                      (NeuronConfig + versions + graph list)
     model.safetensors                                       (the one weight set, target dtype)
     graphs/<name><suffix>                                   (one compiled graph per GraphSpec)
-    graphs/manifest.json                                    (sha256 of each graph file, weight shapes)
+    graphs/manifest.json                                    (sha256 and cache key of each graph, weight shapes)
 
 *Assembling* is the same for export and run: the static decoder is built on the meta device (no
 memory) and bound to the one weight set without a copy; the one KV cache is allocated for the
@@ -68,10 +68,13 @@ def weight_signature(weights: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
     return {name: [list(t.shape), str(t.dtype)] for name, t in sorted(weights.items())}
 
 
-def write_manifest(root: Path, files: dict[str, str], weights: dict[str, torch.Tensor]) -> None:
-    """Record each graph file's hash (by graph name) and the weight signature the graphs were compiled against."""
+def write_manifest(root: Path, files: dict[str, str], weights: dict[str, torch.Tensor], keys: dict[str, str]) -> None:
+    """Record each graph file's hash and its key in the per-graph compile cache (by graph name), and the weight
+    signature the graphs were compiled against."""
     body = {
-        "graphs": {name: {"file": f, "sha256": sha256_of(root / f)} for name, f in files.items()},
+        "graphs": {
+            name: {"file": f, "sha256": sha256_of(root / f), "cache_key": keys[name]} for name, f in files.items()
+        },
         "weights": weight_signature(weights),
     }
     (root / GRAPHS_DIR / MANIFEST_FILE).write_text(json.dumps(body, indent=1))

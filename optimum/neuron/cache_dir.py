@@ -23,13 +23,18 @@ def cache_root() -> Path:
 
 
 @contextmanager
-def cache_lock(path: Path) -> Iterator[None]:
+def cache_lock(path: Path, wait: bool = True) -> Iterator[bool]:
     """Hold an exclusive lock on the lock file ``path`` (created if needed) across processes: one process
-    builds a cache entry while the others wait, then find it built."""
+    builds a cache entry while the others wait, then find it built. With ``wait=False`` the block runs at once and
+    is given False when another process holds the lock (then nothing is held), True when this one took it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)

@@ -33,3 +33,8 @@ class InputError(NeuronError, ValueError):
 
 class SlotError(NeuronError, RuntimeError):
     """The KV slot table cannot satisfy a request (no free slot, unknown or double-freed slot)."""
+
+
+class ExportError(NeuronError, RuntimeError):
+    """An export could not finish for a reason outside its inputs (a compile worker died, a bad setting of the
+    environment); nothing half-built is left in the cache."""

@@ -107,6 +107,28 @@ def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
     return tuple(specs)
 
 
+SPEC_FIELDS = (
+    "prefill_chunk_size",
+    "kv_buckets",
+    "on_device_sampling",
+    "decode_logits",
+    "prompt_logprobs",
+    "image_tiles",
+    "image_size",
+    "max_images",
+)
+"""The `NeuronConfig` fields that reach a compiled graph only through its `GraphSpec` (which graphs exist, their
+tokens, KV windows, outputs and image shape) or not at all: `graph_fields` leaves them out."""
+
+
+def graph_fields(config: NeuronConfig) -> dict[str, object]:
+    """The fields of ``config`` that shape every one of its graphs beyond the graph's `GraphSpec` (the cache rows, the
+    sequence length, dtype, tensor parallelism, linear kernel, backend, device...): with the spec, the config part of
+    a graph's cache key. A field not named in `SPEC_FIELDS` is in, so a new field can cost cache hits, never reuse a
+    graph compiled for another value."""
+    return {name: value for name, value in config.compile_fields().items() if name not in SPEC_FIELDS}
+
+
 def _per_window(spec: GraphSpec, config: NeuronConfig, full_only: bool = False) -> list[GraphSpec]:
     """``spec`` as compiled: one graph for all windows (symbolic-window backends, or a graph reading no earlier
     cache), else one graph per window (only the full one with ``full_only``)."""

@@ -37,10 +37,28 @@ class StepProgress:
     @contextmanager
     def step(self, name: str) -> Iterator[None]:
         """Time one step, shown as its own line while it runs and with its duration afterwards."""
-        task = self.progress.add_task(f"  {name}", total=1)
-        start = time.perf_counter()
+        line = self.line(name)
         yield
-        elapsed = time.perf_counter() - start
-        self.timings[name] = elapsed
-        self.progress.update(task, completed=1, description=f"  {name} [dim]({elapsed:.1f}s)[/dim]")
-        self.progress.advance(self.overall)
+        line.finish()
+
+    def line(self, name: str) -> Line:
+        """A line for a step that runs beside others (a graph compiled by another process): shown from now, finished
+        by `Line.finish`."""
+        return Line(self, name)
+
+
+class Line:
+    """One step's line of a `StepProgress`."""
+
+    def __init__(self, owner: StepProgress, name: str) -> None:
+        self.owner, self.name = owner, name
+        self.task = owner.progress.add_task(f"  {name}", total=1)
+        self.start = time.perf_counter()
+
+    def finish(self, note: str = "") -> None:
+        """Mark the step done: its line shows ``note`` (or the elapsed time) and the overall bar advances."""
+        elapsed = time.perf_counter() - self.start
+        self.owner.timings[self.name] = elapsed
+        text = note or f"{elapsed:.1f}s"
+        self.owner.progress.update(self.task, completed=1, description=f"  {self.name} [dim]({text})[/dim]")
+        self.owner.progress.advance(self.owner.overall)

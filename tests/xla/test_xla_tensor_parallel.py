@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from optimum.exporters.neuron.export import _example_inputs, _hf_config, load_decoder
+from optimum.exporters.neuron.compile import hf_config_of, load_decoder
 from optimum.exporters.neuron.parallel import tracing_group
 from optimum.neuron.artifact import allocate_cache
 from optimum.neuron.backends import xla_compat
@@ -21,7 +21,7 @@ from optimum.neuron.backends.xla import XlaBackend
 from optimum.neuron.backends.xla_graph import ParameterMap
 from optimum.neuron.config import NeuronConfig
 from optimum.neuron.errors import IncompatibleConfigError
-from optimum.neuron.graphs import graph_args, graph_specs, window_dims
+from optimum.neuron.graphs import example_inputs, graph_args, graph_specs, window_dims
 from optimum.neuron.models.base import graph_module
 from tests.fixtures.llm.models import tiny_model
 
@@ -44,14 +44,14 @@ def test_rank_graph_hlo_holds_the_all_reduces(tmp_path: Path) -> None:
         backend="eager",
         linear_kernel="aten",
     )
-    backend, hf_config = XlaBackend(), _hf_config(model)
+    backend, hf_config = XlaBackend(), hf_config_of(model)
     device = backend.placement("cpu")
     with tracing_group(2):
         decoder, _weights = load_decoder(hf_config, model, config, device)
         cache = allocate_cache(hf_config, config, device)
         assert [tuple(t.shape) for t in cache[:1]] == [(2, 1, 33, 16)]  # one of the 2 KV heads per rank
         for spec in graph_specs(config):
-            inputs = {k: v.to(device) for k, v in _example_inputs(spec, hf_config, config).items()}
+            inputs = {k: v.to(device) for k, v in example_inputs(spec).items()}
             path = tmp_path / f"{spec.name}.xla.json"
             args = graph_args(spec.kind, inputs, cache)
             backend.compile(graph_module(decoder, spec).eval(), args, path, window_dims(spec))

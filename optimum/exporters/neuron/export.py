@@ -1,7 +1,8 @@
 """Export: HF checkpoint folder + `NeuronConfig` -> artifact directory (one compiled graph per kind).
 
-Exports are cached under ``$OPTIMUM_NEURON_CACHE/exports/<key>``, the key hashing the config, the
-model files and the toolkit's code; a repeated export with the same inputs is a cache hit.
+Two caches under ``$OPTIMUM_NEURON_CACHE``: whole artifacts in ``exports/<key>``, the key hashing the config, the
+model files and the toolkit's code (a repeated export with the same inputs is a hit), and each compiled graph in
+``graphs/<key>`` (`graph_cache`), taken by every export that needs the same graph.
 """
 
 from __future__ import annotations
@@ -9,35 +10,24 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import save_file
 
-from ...neuron.artifact import (
-    GRAPHS_DIR,
-    WEIGHTS_FILE,
-    allocate_cache,
-    assemble,
-    empty_decoder,
-    graph_file,
-    graph_weights,
-    head_record,
-    sha256_of,
-    write_manifest,
-)
+from ...neuron.artifact import GRAPHS_DIR, WEIGHTS_FILE, graph_file, head_record, sha256_of, write_manifest
 from ...neuron.backends import get_backend
 from ...neuron.cache_dir import cache_lock, cache_root
 from ...neuron.config import CONFIG_FILE, NeuronConfig
-from ...neuron.errors import UnsupportedModelError, WeightLoadingError
-from ...neuron.graphs import GraphSpec, example_inputs, graph_args, graph_specs, image_row_inputs, window_dims
-from ...neuron.models.base import StaticDecoder, graph_module
+from ...neuron.errors import WeightLoadingError
+from ...neuron.graphs import GraphSpec, graph_fields, graph_specs
 from ...neuron.models.image_text import fit_images
-from ...neuron.models.registry import image_text_family, language_config, served_config, supported_model_types
-from ...neuron.progress import StepProgress
-from ...neuron.weights import constants_of, map_state_dict, read_checkpoint
+from ...neuron.models.registry import image_text_family
+from ...neuron.progress import Line, StepProgress
 from .cache import code_fingerprint
+from .compile import GraphBuilder, compile_graphs, hf_config_of, worker_count
+from .graph_cache import GraphCache, graph_key
 from .parallel import tracing_group
 
 _HF_FILES = (
@@ -69,8 +59,8 @@ def export(model_dir: str | Path, output_dir: str | Path, config: NeuronConfig, 
     on first use, unless ``use_cache`` is false)."""
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     if not use_cache:
-        device = _checked_inputs(model_dir, config)
-        _build(model_dir, output_dir, config, device)
+        _check_inputs(model_dir, config)
+        _build(model_dir, output_dir, config, None)
         return output_dir
     cached = cached_export(model_dir, config)
     if output_dir.resolve() != cached.resolve():
@@ -82,7 +72,7 @@ def cached_export(model_dir: str | Path, config: NeuronConfig) -> Path:
     """The export cache's artifact of ``model_dir`` under ``config``, built on first use (one process builds,
     concurrent ones wait for it). Read it, never write into it: `export` gives a private copy."""
     model_dir = Path(model_dir)
-    device = _checked_inputs(model_dir, config)
+    _check_inputs(model_dir, config)
     key = config.cache_key(f"{model_fingerprint(model_dir)}:{code_fingerprint()}")
     cached = cache_root() / "exports" / key
     with cache_lock(cached.with_name(f"{key}.lock")):
@@ -94,7 +84,7 @@ def cached_export(model_dir: str | Path, config: NeuronConfig) -> Path:
         staging = cached.with_name(f"{key}.tmp{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            _build(model_dir, staging, config, device)
+            _build(model_dir, staging, config, GraphCache.default())
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # a failed export leaves nothing in the cache
             raise
@@ -103,15 +93,14 @@ def cached_export(model_dir: str | Path, config: NeuronConfig) -> Path:
     return cached
 
 
-def _checked_inputs(model_dir: Path, config: NeuronConfig) -> str | torch.device:
-    """The device to build on; refuses an unavailable backend or device, then a folder that is no checkpoint."""
-    device = get_backend(config.backend).placement(config.device)
+def _check_inputs(model_dir: Path, config: NeuronConfig) -> None:
+    """Refuse an unavailable backend or device, then a folder that is no checkpoint."""
+    get_backend(config.backend).placement(config.device)
     if not (model_dir / "config.json").is_file():
         raise WeightLoadingError(
             f"{model_dir} is not a transformers checkpoint folder (no config.json there): point --model at a "
             "local folder written by save_pretrained."
         )
-    return device
 
 
 def _copy_tree(source: Path, target: Path) -> None:
@@ -125,67 +114,103 @@ def _replace_file(source: str, target: str) -> str:
     return shutil.copy2(source, target)
 
 
-def _build(model_dir: Path, out: Path, config: NeuronConfig, device: str | torch.device) -> None:
+def _build(model_dir: Path, out: Path, config: NeuronConfig, graphs: GraphCache | None) -> None:
+    """Write the artifact of ``model_dir`` under ``config`` into ``out``: every graph taken from the per-graph cache
+    ``graphs`` or compiled (in parallel processes where the backend allows, `compile.compile_graphs`) and stored
+    there; with no cache (``--no_cache``), compiled straight into ``out``."""
     backend = get_backend(config.backend)
-    hf_config = _hf_config(model_dir)
+    hf_config = hf_config_of(model_dir)
     config = fit_images(config, image_text_family(hf_config), hf_config, model_dir)
     specs = graph_specs(config)
-    (out / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
+    keys = {spec.name: graph_key(spec, config, hf_config, backend) for spec in specs}
+    folder = out / GRAPHS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
     ranks = f", {config.tp_degree} tensor-parallel ranks" if config.tp_degree > 1 else ""
     title = f"export {model_dir.name} ({config.backend}, {config.device}{ranks})"
-    with StepProgress(title, 2 + len(specs)) as bar, tracing_group(config.tp_degree):
-        with bar.step("load checkpoint"):
-            decoder, weights = load_decoder(hf_config, model_dir, config, device)
-            kv_cache = allocate_cache(hf_config, config, device)
-        files: dict[str, str] = {}
-        for spec in specs:
-            files[spec.name] = graph_file(spec.name, backend.suffix)
-            with bar.step(f"trace + compile {spec.name} {_shape(spec)}"):
-                inputs = {k: v.to(device) for k, v in _example_inputs(spec, hf_config, config).items()}
-                args = graph_args(spec.kind, inputs, kv_cache)
-                backend.compile(graph_module(decoder, spec).eval(), args, out / files[spec.name], window_dims(spec))
+    record = _entry_record(model_dir, config, hf_config)
+    with StepProgress(title, 2 + len(specs)) as bar, tracing_group(config.tp_degree), ExitStack() as held:
+        lines = {spec.name: bar.line(f"{spec.name} {_shape(spec)}") for spec in specs}
+        jobs, waiting = _plan(specs, keys, graphs, held, lines, folder)
+        staged = {spec.name: job_folder for spec, job_folder in jobs}
+        loaded: dict[str, Any] = {}
+
+        def load() -> GraphBuilder:
+            with bar.step("load checkpoint"):
+                loaded["builder"], loaded["weights"] = GraphBuilder.load(model_dir, config)
+            return loaded["builder"]
+
+        def done(spec: GraphSpec, seconds: float) -> None:
+            if graphs is not None:
+                entry = {**record, "graph": spec.name, "compile_seconds": round(seconds, 2)}
+                graphs.commit(keys[spec.name], staged[spec.name], entry)
+                graphs.take(keys[spec.name], folder)
+            lines[spec.name].finish(f"compiled in {seconds:.1f}s")
+
+        compile_graphs(jobs, load, worker_count(len(jobs), config, model_dir), model_dir, config, done)
+        for spec in waiting:  # graphs another export was compiling: taken once it is done, compiled if it failed
+            assert graphs is not None
+            _take_or_compile(graphs, keys[spec.name], spec, loaded["builder"], record, folder, lines[spec.name])
         with bar.step("write artifact"):
+            weights = loaded["weights"]
             save_file({k: v.cpu() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
-            write_manifest(out, files, weights)
+            write_manifest(out, {spec.name: graph_file(spec.name, backend.suffix) for spec in specs}, weights, keys)
             _copy_hf_files(model_dir, out, hf_config)
             recorded = head_record(hf_config, config)
             (out / CONFIG_FILE).write_text(config.to_json([spec.name for spec in specs], recorded))
 
 
-def _hf_config(model_dir: Path) -> Any:
-    """The config of the decoder to export (`served_config`: a multimodal checkpoint's text decoder); an
-    architecture transformers does not know is unsupported."""
-    from transformers import AutoConfig
+def _plan(
+    specs: tuple[GraphSpec, ...],
+    keys: dict[str, str],
+    graphs: GraphCache | None,
+    held: ExitStack,
+    lines: dict[str, Line],
+    folder: Path,
+) -> tuple[list[tuple[GraphSpec, Path]], list[GraphSpec]]:
+    """Sort the graphs of an export: those already cached are taken into ``folder`` now; those to compile here become
+    jobs (their entry's lock taken and a staging folder made, both released by ``held``); those another process is
+    compiling right now are returned, to wait for once this export's own compiles are done (so that two exports never
+    wait on each other)."""
+    if graphs is None:
+        return [(spec, folder) for spec in specs], []
+    jobs, waiting = [], []
+    for spec in specs:
+        key = keys[spec.name]
+        if not graphs.has(key) and held.enter_context(graphs.lock(key, wait=False)) and not graphs.has(key):
+            jobs.append((spec, held.enter_context(graphs.staging(key))))
+        elif graphs.has(key):
+            graphs.take(key, folder)
+            lines[spec.name].finish("cached")
+        else:
+            waiting.append(spec)
+    return jobs, waiting
 
-    try:
-        config = AutoConfig.from_pretrained(model_dir)
-    except ValueError as err:  # transformers' error for an unknown model_type
-        raise UnsupportedModelError(
-            f"transformers cannot read {model_dir / 'config.json'} ({str(err).splitlines()[0]}); supported model "
-            f"types: {', '.join(supported_model_types())}."
-        ) from err
-    return served_config(config)
+
+def _take_or_compile(
+    graphs: GraphCache, key: str, spec: GraphSpec, builder: GraphBuilder, record: dict, folder: Path, line: Line
+) -> None:
+    """Wait for the process compiling ``key``'s graph, then take it; compile it here when that process failed."""
+    with graphs.lock(key):
+        if graphs.has(key):
+            graphs.take(key, folder)
+            line.finish("cached: compiled by another export")
+            return
+        with graphs.staging(key) as staging:
+            seconds = builder.compile(spec, staging)
+            graphs.commit(key, staging, {**record, "graph": spec.name, "compile_seconds": round(seconds, 2)})
+        graphs.take(key, folder)
+        line.finish(f"compiled in {seconds:.1f}s")
 
 
-def load_decoder(
-    hf_config: Any, model_dir: Path, config: NeuronConfig, device: str | torch.device | None = None
-) -> tuple[StaticDecoder, dict]:
-    """The static decoder of ``model_dir`` with its strictly mapped weights, on ``device`` (default
-    ``config.device``; the xla backend passes its XLA device, see `Backend.placement`). The weights are the full
-    set (what the artifact stores); at ``tp_degree > 1`` the decoder is rank 0's, bound to its slice of them (every
-    rank runs the same graph)."""
-    layout = empty_decoder(hf_config, config.derive(tp_degree=1))
-    params = map_state_dict(layout, read_checkpoint(model_dir), config.torch_dtype)
-    weights = {k: v.to(device or config.device) for k, v in constants_of(layout, params).items()}
-    return assemble(hf_config, config, graph_weights(hf_config, config, weights)), weights
-
-
-def _example_inputs(spec: GraphSpec, hf_config: Any, config: NeuronConfig) -> dict[str, torch.Tensor]:
-    """The tracing inputs of graph ``spec``, with the image rows of an image-text prefill graph."""
-    inputs = example_inputs(spec)
-    if spec.images:
-        inputs.update(image_row_inputs(spec, language_config(hf_config).hidden_size, config.torch_dtype))
-    return inputs
+def _entry_record(model_dir: Path, config: NeuronConfig, hf_config: Any) -> dict[str, Any]:
+    """What a graph cache entry records of the export that compiled it (``optimum-cli neuron cache list``)."""
+    return {
+        "model": model_dir.name,
+        "model_type": getattr(hf_config, "model_type", "?"),
+        "backend": config.backend,
+        "device": config.device,
+        "config": graph_fields(config),
+    }
 
 
 def _shape(spec: GraphSpec) -> str:

@@ -25,6 +25,14 @@ class Backend(ABC):
     name: str
     suffix: str
     """File name suffix of a compiled graph, e.g. ``.pt2``."""
+    compiles_in_workers: bool = False
+    """True when the exporter may compile several graphs of one export in parallel processes (a backend whose
+    compile is long and CPU-bound); the others compile in the exporting process, one graph after another."""
+
+    def compiler_fingerprint(self, device: str) -> str:
+        """What a graph compiled for ``device`` depends on beyond the model, its config and the toolkit's code (the
+        host's vector instructions for generated CPU code...): part of each graph's cache key."""
+        return ""
 
     def placement(self, device: str) -> str | torch.device:
         """Where the runtime puts weights, KV cache and inputs for graphs of this backend that run on

@@ -35,6 +35,17 @@ class InductorBackend(Backend):
 
     name = "inductor"
     suffix = ".pt2"
+    compiles_in_workers = True
+
+    def compiler_fingerprint(self, device: str) -> str:
+        """The CUDA device's compute capability, or what inductor generates CPU code for: the vector ISA (a graph
+        compiled with AVX-512 faults on an AVX2 host) and the compiling process's thread count (code generated with
+        one thread has no parallel loops: it would run on one core)."""
+        if device == "cuda":
+            return "sm_{}{}".format(*torch.cuda.get_device_capability())
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        return f"cpu:{pick_vec_isa()}:threads={torch.get_num_threads()}"
 
     def compile(self, module: nn.Module, args: tuple, path: Path, dynamic: dict[str, Any] | None = None) -> None:
         with torch.no_grad():

@@ -34,7 +34,13 @@ _FLAGS = ("-O3", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 """libgomp.so.1, the soname torch itself loads: the loader reuses torch's runtime, so there is one thread pool."""
 
-torch.library.define(OPERATOR, "(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor")
+torch.library.define(
+    OPERATOR, "(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor", tags=(torch.Tag.flexible_layout,)
+)
+"""``flexible_layout``: the kernel takes ``x`` in any strides (it reads a contiguous view) and its weights are
+contiguous constants, so inductor passes the operator's input as it is. Without a tag inductor applied its default
+constraint the first time the operator appeared in a process and another one after, so a graph's code depended on
+which graphs the process had compiled before (copies of the input of some projections)."""
 
 
 @torch.library.register_fake(OPERATOR)

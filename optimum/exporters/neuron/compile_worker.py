@@ -1,0 +1,60 @@
+"""A process compiling graphs for an export (`compile.WorkerProcess`), started as
+``python -m optimum.exporters.neuron.compile_worker``.
+
+It reads pickled messages on stdin: first ``(model_dir, config, threads)``, then ``(spec, folder)`` per graph, and
+answers each graph with ``(True, seconds)`` or ``(False, error)`` on its stdout, kept for the answers alone (what
+the process prints goes to stderr). It exits when stdin closes.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from typing import Any, BinaryIO
+
+import torch
+
+from ...neuron.errors import ExportError
+from .compile import GraphBuilder
+from .parallel import tracing_group
+
+
+def main() -> None:
+    """Serve compile jobs until stdin closes."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints, warnings and compiler output stay off the answers
+    model_dir, config, threads = pickle.load(sys.stdin.buffer)
+    torch.set_num_threads(threads)  # inductor's CPU code is generated for it: the exporting process's count
+    with tracing_group(config.tp_degree):
+        try:
+            builder: GraphBuilder | Exception = GraphBuilder.load(model_dir, config)[0]
+        except Exception as err:  # answered to every job: the exporting process raises it
+            builder = err
+        while (job := _next_job(sys.stdin.buffer)) is not None:
+            try:
+                if isinstance(builder, Exception):
+                    raise builder
+                _answer(answers, (True, builder.compile(*job)))
+            except Exception as err:
+                _answer(answers, (False, err))
+
+
+def _next_job(stream: BinaryIO) -> Any:
+    try:
+        return pickle.load(stream)
+    except EOFError:
+        return None
+
+
+def _answer(stream: BinaryIO, message: tuple[bool, Any]) -> None:
+    try:
+        data = pickle.dumps(message)
+    except Exception:  # an error that does not pickle: its text
+        data = pickle.dumps((False, ExportError(f"compile failed in a worker process: {message[1]!r}")))
+    stream.write(data)
+    stream.flush()
+
+
+if __name__ == "__main__":
+    main()
