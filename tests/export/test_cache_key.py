@@ -3,7 +3,7 @@
 Both directions are pinned on a copy of the toolkit's sources: an edit to the exporter, a model, a
 layer, a backend, the graph signatures, the weight map, the config or the artifact format misses the
 cache; an edit to the runtime, the vLLM plugin, the demo, or a docstring or comment anywhere hits it.
-The end-to-end test runs real (eager) exports against such a copy.
+The end-to-end test runs real (eager) exports against such a copy, and checks the per-graph cache the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 
 from optimum.exporters.neuron import cache as export_cache
 from optimum.exporters.neuron import export as export_module
+from optimum.exporters.neuron import graph_cache
 from optimum.exporters.neuron.cache import GRAPH_SOURCES, PACKAGE_ROOT, code_fingerprint, sources_fingerprint
 from optimum.neuron import cache_dir
 from optimum.neuron.config import NeuronConfig
@@ -85,20 +86,28 @@ def test_docstrings_and_comments_leave_the_key(sources: Path) -> None:
 
 
 def test_export_cache_hits_and_misses(sources: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Real exports against the copied sources: a runtime edit is a hit, an exporter edit a miss."""
+    """Real exports against the copied sources: a runtime edit is a hit for the artifact and each of its graphs, a
+    model-code edit a miss for both, an exporter edit a miss."""
     monkeypatch.setenv("OPTIMUM_NEURON_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(export_module, "code_fingerprint", lambda: sources_fingerprint(sources))
+    fingerprint = lambda: sources_fingerprint(sources)  # noqa: E731
+    monkeypatch.setattr(export_module, "code_fingerprint", fingerprint)
+    monkeypatch.setattr(graph_cache, "code_fingerprint", fingerprint)
     config = NeuronConfig(batch_size=2, sequence_length=32, prefill_chunk_size=8, backend="eager")
 
-    def exports() -> int:
+    def exports() -> tuple[int, int]:
         export_module.export(tiny_model("llama"), tmp_path / "out", config)
-        return len([p for p in (tmp_path / "cache" / "exports").iterdir() if p.is_dir()])
+        cache = tmp_path / "cache"
+        artifacts = [p for p in (cache / "exports").iterdir() if p.is_dir()]
+        graphs = [p for p in (cache / "graphs").iterdir() if (p / graph_cache.ENTRY_FILE).is_file()]
+        return len(artifacts), len(graphs)
 
-    assert exports() == 1
+    assert exports() == (1, 2)
     edit_code(sources / "neuron/runtime/engine.py")
-    assert exports() == 1, "a runtime edit recompiled"
+    assert exports() == (1, 2), "a runtime edit recompiled"
+    edit_code(sources / "neuron/models/layers/attention.py")
+    assert exports() == (2, 4), "a model-code edit reused stale graphs"
     edit_code(sources / "exporters/neuron/export.py")
-    assert exports() == 2, "an exporter edit reused a stale export"
+    assert exports() == (3, 6), "an exporter edit reused a stale export"
 
 
 def test_the_cache_location_rule_lives_outside_the_exporter() -> None:

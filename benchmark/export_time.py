@@ -1,0 +1,152 @@
+"""Export wall time and peak memory, SmolLM2-135M fp32, batch 8, S=2048, chunk 256 (issue 29's benchmark):
+
+- **cold, one process**: an empty cache, every graph compiled in the exporting process one after another (what the
+  exporter did before the per-graph cache: ``OPTIMUM_NEURON_COMPILE_WORKERS=1``);
+- **cold, parallel**: an empty cache, the graphs compiled by as many processes as cores and memory allow;
+- **re-export**: then only ``--prefill_chunk_size`` changed (128), in the same cache: the token-generation graphs
+  are taken from the per-graph cache, only the prefill graph compiles.
+
+Each for the minimal artifact (``--no_decode_logits``: 2 graphs) and the default one (3 graphs).
+
+    .venv/bin/python -m benchmark.export_time [--machine epyc-2core]
+
+Every export runs in a fresh process (``optimum-cli export neuron``) with its own empty cache, the packed kernel's
+one-time build shared; its peak memory is the largest sum of the RSS of its process tree (the exporter and its
+compile workers, compiler subprocesses included), sampled every 50 ms. Results:
+``benchmark/results/<machine>/export.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from rich.console import Console
+
+from benchmark.machine import describe
+
+RESULTS = Path(__file__).parent / "results"
+SHAPE = ("--batch_size", "8", "--sequence_length", "2048")
+VARIANTS = {"minimal (--no_decode_logits)": ("--no_decode_logits",), "default": ()}
+"""Artifact kinds measured, by their extra flags."""
+
+
+def timed(command: list[str], env: dict[str, str]) -> dict[str, float]:
+    """Run ``command``; its wall seconds and the peak summed RSS (GiB) of its process tree."""
+    start = time.perf_counter()
+    process = psutil.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    while process.poll() is None:
+        peak = max(peak, _tree_rss(process))
+        time.sleep(0.05)
+    wall = time.perf_counter() - start
+    if process.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}):\n{process.stderr.read()[-3000:]}")
+    return {"wall_s": round(wall, 1), "peak_rss_gib": round(peak / 2**30, 2)}
+
+
+def _tree_rss(process: psutil.Process) -> int:
+    total = 0
+    for member in (process, *process.children(recursive=True)):
+        try:
+            total += member.memory_info().rss
+        except psutil.Error:  # exited between the listing and the read
+            pass
+    return total
+
+
+def export_command(model_dir: Path, out: Path, chunk: int, flags: tuple[str, ...]) -> list[str]:
+    """``optimum-cli export neuron`` of the benchmark's shape."""
+    cli = str(Path(sys.executable).with_name("optimum-cli"))
+    chunking = ("--prefill_chunk_size", str(chunk))
+    return [cli, "export", "neuron", "--model", str(model_dir), *SHAPE, *chunking, *flags, str(out)]
+
+
+def cache_env(cache: Path, kernels: Path, workers: str | None) -> dict[str, str]:
+    """The environment of an export into the empty cache ``cache`` (its packed-kernel build linked to ``kernels``)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    if not (cache / "kernels").exists():
+        (cache / "kernels").symlink_to(kernels)
+    env = {**os.environ, "OPTIMUM_NEURON_CACHE": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    env.pop(_WORKERS, None)
+    if workers is not None:
+        env[_WORKERS] = workers
+    return env
+
+
+_WORKERS = "OPTIMUM_NEURON_COMPILE_WORKERS"
+
+
+def measure(model_dir: Path, kernels: Path, scratch: Path, flags: tuple[str, ...]) -> dict[str, Any]:
+    """The three exports of one artifact kind, and its size."""
+    console = Console(stderr=True)
+    row: dict[str, Any] = {}
+    for name, workers in (("cold, one process", "1"), ("cold, parallel", None)):
+        cache = scratch / name.replace(", ", "-").replace(" ", "-")
+        console.print(f"[bold]{name}[/bold] {' '.join(flags)}")
+        row[name] = timed(export_command(model_dir, cache / "out", 256, flags), cache_env(cache, kernels, workers))
+    console.print(f"[bold]re-export, chunk 128[/bold] {' '.join(flags)}")
+    cache = scratch / "cold-parallel"
+    row["re-export"] = timed(export_command(model_dir, cache / "out128", 128, flags), cache_env(cache, kernels, None))
+    row["artifact_mb"] = round(sum(p.stat().st_size for p in (cache / "out").rglob("*") if p.is_file()) / 1e6, 1)
+    row["graphs"] = len(json.loads((cache / "out" / "graphs" / "manifest.json").read_text())["graphs"])
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--machine", default="epyc-2core")
+    args = parser.parse_args()
+    from optimum.neuron.cache_dir import cache_root
+    from optimum.neuron.kernels import packed
+    from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
+
+    model_dir = convert_smollm2(default_smollm2_dir("fp32"), dtype="fp32")
+    packed.load()  # the kernel's one-time build, shared by every run
+    kernels = cache_root() / "kernels"
+    rows = {}
+    for variant, flags in VARIANTS.items():
+        with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
+            rows[variant] = measure(model_dir, kernels, Path(scratch), flags)
+            shutil.rmtree(scratch, ignore_errors=True)
+    write_report(args.machine, rows)
+
+
+def write_report(machine: str, rows: dict[str, dict[str, Any]]) -> None:
+    """``export.md`` (the table and the ratios) and ``export.json`` under ``results/<machine>/``."""
+    lines = [
+        "# Export time: SmolLM2-135M fp32, batch 8, S=2048, chunk 256 (inductor, CPU)",
+        "",
+        "Command: `.venv/bin/python -m benchmark.export_time`",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in describe().items()),
+        "",
+        "| artifact | graphs | cold, one process: s / peak GiB | cold, parallel: s / peak GiB | parallel / one "
+        "process | re-export chunk 128: s | re-export / cold parallel | size MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for variant, row in rows.items():
+        serial, parallel, again = row["cold, one process"], row["cold, parallel"], row["re-export"]
+        lines.append(
+            f"| {variant} | {row['graphs']} | {serial['wall_s']} / {serial['peak_rss_gib']} | {parallel['wall_s']} / "
+            f"{parallel['peak_rss_gib']} | {parallel['wall_s'] / serial['wall_s']:.2f} | {again['wall_s']} | "
+            f"{again['wall_s'] / parallel['wall_s']:.2f} | {row['artifact_mb']} |"
+        )
+    folder = RESULTS / machine
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "export.md").write_text("\n".join(lines) + "\n")
+    (folder / "export.json").write_text(json.dumps({"machine": describe(), "rows": rows}, indent=1) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""The per-graph compile cache and parallel compilation (docs/export.md, "The compile cache").
+
+Every test exports into its own empty cache (``private_cache``: the packed kernel's build shared), so "compiled" and
+"cached" are this test's own; the tiny llama is made before the cache is switched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from optimum.exporters.neuron import compile as compile_module
+from optimum.exporters.neuron.compile import WORKERS_ENV, worker_count
+from optimum.exporters.neuron.export import export
+from optimum.exporters.neuron.graph_cache import ENTRY_FILE, graph_key
+from optimum.neuron import NeuronModelForCausalLM
+from optimum.neuron.backends import get_backend
+from optimum.neuron.cache_dir import cache_root
+from optimum.neuron.config import NeuronConfig
+from optimum.neuron.errors import ExportError
+from optimum.neuron.graphs import graph_fields, graph_specs
+from tests.fixtures.llm.models import FIXTURE_KV_BUCKETS, tiny_model
+from tests.fixtures.llm.reference import hf_greedy
+
+PROMPT = [5, 17, 42, 9, 33, 71, 2, 64, 12, 90, 7, 41, 28, 3, 55, 19, 80, 11, 6, 25]
+"""20 tokens: three chunks of 8, two of 16."""
+
+
+def config(**changes: object) -> NeuronConfig:
+    """The tiny export shape of the test fixtures (inductor)."""
+    base = {"batch_size": 2, "sequence_length": 32, "prefill_chunk_size": 8, "kv_buckets": FIXTURE_KV_BUCKETS}
+    return NeuronConfig(**{**base, **changes})  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def model() -> Path:
+    return tiny_model("llama")
+
+
+@pytest.fixture
+def private_cache(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty cache for this test (the packed kernel's build linked from the project cache)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(cache_root() / "kernels")
+    monkeypatch.setenv("OPTIMUM_NEURON_CACHE", str(cache))
+    monkeypatch.setenv("COLUMNS", "200")  # the progress lines whole
+    return cache
+
+
+def entries(cache: Path) -> list[Path]:
+    """The finished graph entries of ``cache``."""
+    return sorted(p for p in (cache / "graphs").iterdir() if (p / ENTRY_FILE).is_file())
+
+
+def manifest_keys(artifact: Path) -> dict[str, str]:
+    graphs = json.loads((artifact / "graphs" / "manifest.json").read_text())["graphs"]
+    return {name: entry["cache_key"] for name, entry in graphs.items()}
+
+
+def greedy(artifact: Path, new: int = 6) -> list[int]:
+    model = NeuronModelForCausalLM.from_pretrained(artifact)
+    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=new, do_sample=False, eos_token_id=[])
+    return out[0, len(PROMPT) :].tolist()
+
+
+def test_graph_fields_leave_out_what_the_spec_carries() -> None:
+    assert graph_fields(config()) == graph_fields(config(prefill_chunk_size=16, decode_logits=True))
+    assert graph_fields(config()) != graph_fields(config(batch_size=3))  # the cache rows every graph writes
+    assert "prefill_chunk_size" not in graph_fields(config()) and "batch_size" in graph_fields(config())
+
+
+def test_only_the_graphs_a_change_reaches_get_new_keys(model: Path) -> None:
+    from optimum.exporters.neuron.compile import hf_config_of
+
+    hf_config, backend = hf_config_of(model), get_backend("inductor")
+
+    def keys(neuron_config: NeuronConfig) -> dict[str, str]:
+        return {s.name: graph_key(s, neuron_config, hf_config, backend) for s in graph_specs(neuron_config)}
+
+    eight, sixteen, three = keys(config()), keys(config(prefill_chunk_size=16)), keys(config(batch_size=3))
+    assert eight["token_generation"] == sixteen["token_generation"]
+    assert eight["chunked_prefill"] != sixteen["chunked_prefill"]
+    assert not set(eight.values()) & set(three.values())
+
+
+def test_a_reexport_with_another_chunk_takes_the_token_generation_graph(
+    private_cache: Path, model: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    first = export(model, tmp_path / "eight", config())
+    assert "compiled in" in capfd.readouterr().err
+    second = export(model, tmp_path / "sixteen", config(prefill_chunk_size=16))
+    shown = [line for line in capfd.readouterr().err.splitlines() if "KV windows" in line]
+    assert any("token_generation" in line and "(cached)" in line for line in shown), shown
+    assert any("chunked_prefill [1, 16]" in line and "compiled in" in line for line in shown), shown
+    one, two = manifest_keys(first), manifest_keys(second)
+    assert one["token_generation"] == two["token_generation"] and one["chunked_prefill"] != two["chunked_prefill"]
+    assert len(entries(private_cache)) == 3
+    assert greedy(second) == hf_greedy(model, PROMPT, 6)
+
+
+def _generated_code(artifact: Path) -> dict[str, list[str]]:
+    """The C++ AOTInductor generated for each graph, without its comments (which name temporary paths)."""
+    code = {}
+    for package in sorted((artifact / "graphs").glob("*.pt2")):
+        with zipfile.ZipFile(package) as archive:
+            for name in archive.namelist():
+                if name.endswith(".cpp"):
+                    lines = archive.read(name).decode().splitlines()
+                    kind = name.rsplit(".", 2)[-2]  # kernel / wrapper
+                    code[f"{package.stem}:{kind}"] = [x for x in lines if x.strip() and not x.lstrip().startswith("//")]
+    return code
+
+
+def test_parallel_compile_changes_nothing_in_the_artifact(
+    private_cache: Path, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    artifacts = {}
+    for workers in ("1", "2"):
+        monkeypatch.setenv("OPTIMUM_NEURON_CACHE", str(private_cache / workers))
+        (private_cache / workers).mkdir()
+        (private_cache / workers / "kernels").symlink_to(private_cache / "kernels")
+        monkeypatch.setenv(WORKERS_ENV, workers)
+        artifacts[workers] = export(model, tmp_path / f"workers{workers}", config())
+    serial, parallel = artifacts["1"], artifacts["2"]
+    assert manifest_keys(serial) == manifest_keys(parallel)
+    assert (serial / "model.safetensors").read_bytes() == (parallel / "model.safetensors").read_bytes()
+    code = _generated_code(serial)
+    assert len(code) == 4 and code == _generated_code(parallel)  # kernel + wrapper of both graphs
+    assert greedy(serial) == greedy(parallel) == hf_greedy(model, PROMPT, 6)
+
+
+_EXPORT = """
+import sys
+from optimum.exporters.neuron.export import export
+from tests.export.test_graph_cache import config
+export(sys.argv[1], sys.argv[2], config(prompt_logprobs=sys.argv[3] == "1"))
+"""
+
+
+def _start_export(model: Path, out: Path, logprobs: bool) -> subprocess.Popen[str]:
+    command = [sys.executable, "-c", _EXPORT, str(model), str(out), "1" if logprobs else "0"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_two_exports_at_once_compile_each_shared_graph_once(private_cache: Path, model: Path, tmp_path: Path) -> None:
+    """Two exports into one cache at the same time, sharing two graphs (the second adds the prompt-logprobs graph):
+    both finish, every graph is compiled once, nothing half-written is left."""
+    runs = [_start_export(model, tmp_path / name, name == "logprobs") for name in ("plain", "logprobs")]
+    logs = [run.communicate(timeout=600)[1] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    compiled = [line for log in logs for line in log.splitlines() if "compiled in" in line]
+    assert len(compiled) == 3, compiled  # prefill, token generation, the all-rows prefill: once each
+    assert len(entries(private_cache)) == 3
+    assert not list((private_cache / "graphs").glob("*.tmp*"))
+    plain, logprobs = manifest_keys(tmp_path / "plain"), manifest_keys(tmp_path / "logprobs")
+    assert plain.items() <= logprobs.items()
+    assert greedy(tmp_path / "logprobs") == hf_greedy(model, PROMPT, 6)
+
+
+def test_a_killed_export_leaves_nothing_a_later_export_takes(private_cache: Path, model: Path, tmp_path: Path) -> None:
+    run = _start_export(model, tmp_path / "killed", False)
+    deadline = time.monotonic() + 300
+    while not list((private_cache / "graphs").glob("*.tmp*")) and time.monotonic() < deadline:
+        assert run.poll() is None, run.communicate()[1][-2000:]
+        time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGKILL)  # mid-compile
+    run.wait()
+    assert not entries(private_cache), "a graph the killed export was compiling became an entry"
+    assert list((private_cache / "graphs").glob("*.tmp*")), "the killed export's staging folder is gone"
+    artifact = export(model, tmp_path / "again", config())
+    assert len(entries(private_cache)) == 2
+    assert greedy(artifact) == hf_greedy(model, PROMPT, 6)
+
+
+def test_worker_count(model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(WORKERS_ENV, raising=False)
+    assert worker_count(3, config(), model) == 1  # a tiny checkpoint compiles in the exporting process
+    assert worker_count(3, config(backend="eager"), model) == 1
+    big = tmp_path / "big"
+    big.mkdir()
+    with (big / "model.safetensors").open("wb") as handle:
+        handle.truncate(200 << 20)  # a sparse 200 MB checkpoint: only its size is read
+    monkeypatch.setattr(compile_module, "_available_memory", lambda: 64 << 30)
+    assert worker_count(3, config(), big) == min(3, len(os.sched_getaffinity(0)))
+    assert worker_count(1, config(), big) == 1
+    monkeypatch.setattr(compile_module, "_available_memory", lambda: 1 << 30)  # not even one process's share
+    assert worker_count(3, config(), big) == 1
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    assert worker_count(3, config(), model) == 2
+    monkeypatch.setenv(WORKERS_ENV, "two")
+    with pytest.raises(ExportError, match=WORKERS_ENV):
+        worker_count(3, config(), model)
