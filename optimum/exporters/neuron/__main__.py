@@ -23,7 +23,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     docs = field_docs()
     for spec in config_fields():
         _add_field(parser, spec, docs[spec.name])
-    parser.add_argument("--no_cache", action="store_true", help="Always compile, ignoring the export cache.")
+    parser.add_argument(
+        "--no_cache",
+        action="store_true",
+        help="Compile every graph, using neither the artifact cache nor the per-graph compile cache (docs/export.md).",
+    )
     parser.add_argument("output", type=Path, help="Output artifact directory.")
 
 

@@ -80,6 +80,7 @@ def cached_export(model_dir: str | Path, config: NeuronConfig) -> Path:
             from rich.console import Console
 
             Console(stderr=True).print(f"[green]export cache hit[/green] {cached}")
+            os.utime(cached)  # its last use (`optimum-cli neuron cache list`, `prune`)
             return cached
         staging = cached.with_name(f"{key}.tmp{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
