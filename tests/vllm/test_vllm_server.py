@@ -57,7 +57,7 @@ def test_serve_completions_chat_and_streaming_equal_offline(tmp_path: Path) -> N
         assert status == 400 and "--prompt_logprobs" in body, (status, body)
         penalty = {"model": name, "prompt": PROMPT, "max_tokens": 4, "presence_penalty": 0.5}
         status, body = server.post_error("/v1/completions", penalty)  # nor the token-generation graph of logits
-        assert status == 400 and "--decode_logits" in body, (status, body)
+        assert status == 400 and "re-export without --no_decode_logits" in body, (status, body)
         status, body = server.post_error("/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": 40})
         assert status == 400 and "32" in body, (status, body)  # longer than the compiled sequence length
         again = server.post("/v1/completions", {"model": name, "prompt": PROMPT, **greedy})
