@@ -2,11 +2,11 @@
 
     .venv/bin/python -m benchmark.soak [--quick] [--clients N] [--minutes T] [--model smollm2|PATH]
 
-Defaults: 64 clients for 10 minutes on SmolLM2-135M (fp32, inductor, batch 8, S=1024, C=256, exported with
-``--decode_logits`` so logprobs, penalties and JSON output are served). Each client mixes streaming and
-non-streaming completions and chats, aborts (it closes a stream after a few events), logprobs, ``n > 1``, JSON output
-(``--quick``: a ``choice`` constraint, the tiny model's word tokenizer cannot write JSON), penalties, long prompts and
-greedy checks (`benchmark.serving.soak_clients`). The report: requests ok / errored per
+Defaults: 64 clients for 10 minutes on SmolLM2-135M (fp32, inductor, batch 8, S=1024, C=256, exported with the
+token-generation graph returning logits, the default, so logprobs, penalties and JSON output are served). Each client
+mixes streaming and non-streaming completions and chats, aborts (it closes a stream after a few events), logprobs,
+``n > 1``, JSON output (``--quick``: a ``choice`` constraint, the tiny model's word tokenizer cannot write JSON),
+penalties, long prompts and greedy checks (`benchmark.serving.soak_clients`). The report: requests ok / errored per
 kind, p50 / p99 latency, what is left after the load (vLLM's ``vllm:num_requests_running`` / ``waiting`` gauges and
 the worker's KV slot table, through ``/collective_rpc``: the server runs with ``VLLM_SERVER_DEV_MODE=1``), the engine
 core's RSS after warm-up vs at the end, and whether the greedy checks sent under load equal the same requests sent
@@ -266,7 +266,7 @@ def write_report(out: Path, name: str, result: dict[str, Any]) -> Path:
         f"- command: `{result['command']}` ({result['date']})",
         "- machine: " + ", ".join(f"{k} {v}" for k, v in result["machine"].items()) + " (load at the start)",
         f"- artifact: {artifact['model']}, {artifact['backend']}, fp32, batch {setup['batch_size']}, "
-        f"S={setup['sequence_length']}, C={setup['chunk']}, --decode_logits, max_topk {artifact['max_topk']}",
+        f"S={setup['sequence_length']}, C={setup['chunk']}, decode_logits, max_topk {artifact['max_topk']}",
         f"- load: {load['seconds']} s; up to {setup['max_tokens']} new tokens per request; long prompts of "
         f"{setup['long_words']} words; request kinds and weights {dict(KINDS)}",
         "",

@@ -56,12 +56,15 @@ class NeuronConfig:
     """Weights, activations and KV-cache dtype: one of ``fp32``, ``bf16``, ``fp16``."""
     on_device_sampling: bool = True
     """Token generation samples inside the graph (returns token ids) instead of returning logits."""
-    decode_logits: bool = False
-    """With on_device_sampling, also compile a token-generation graph that returns logits: the engine runs it only
-    on steps where a decoding sequence needs its logits on the host (logprobs, vLLM's host sampling for penalties,
-    min_p, min_tokens, logit_bias, bad words, allowed token ids and structured output, generate()'s scores); every
-    other step keeps the on-device sampling graph. Off: such requests are refused (an artifact exported with
-    --no_on_device_sampling serves them without it). Costs one more compiled graph (SmolLM2: +40% export time)."""
+    decode_logits: bool = True
+    """Also compile a token-generation graph that returns logits (with on_device_sampling; without it, token
+    generation returns logits already): the engine runs it only on steps where a decoding sequence needs its logits on
+    the host (logprobs, vLLM's host sampling for penalties, min_p, min_tokens, logit_bias, bad words, allowed token
+    ids and structured output, generate()'s scores); every other step keeps the on-device sampling graph. On by
+    default, so that an artifact serves every request a vLLM client sends; it costs one more compiled graph, and
+    nothing on the steps that do not run it (SmolLM2-135M fp32, batch 8, S 2048, C 256, inductor: export time +28%,
+    artifact size +0.8%, peak memory unchanged). --no_decode_logits gives the minimal artifact, which refuses those
+    requests."""
     prompt_logprobs: bool = False
     """Also compile a prefill graph that returns the logits of every real row of a chunk (or of the whole prompt for
     context encoding), run only for the chunks of a prompt whose logprobs are asked: vLLM's prompt_logprobs and
@@ -192,9 +195,16 @@ class NeuronConfig:
 
 
 def flag(name: str) -> str:
-    """The ``optimum-cli export neuron`` flag that sets field ``name`` (``--no_<name>`` turns a flag
-    that defaults to true off)."""
+    """The ``optimum-cli export neuron`` flag that sets field ``name`` (a boolean field's switch: `switch`)."""
     return f"--{FLAG_NAMES.get(name, name)}"
+
+
+def switch(name: str) -> str:
+    """The export CLI switch of boolean field ``name``, which sets it away from its default: ``--<name>`` for a field
+    off by default, ``--no_<name>`` for one on by default."""
+    default = NeuronConfig.__dataclass_fields__[name].default
+    assert isinstance(default, bool), f"{name} is not a boolean field"
+    return f"--no_{flag(name).removeprefix('--')}" if default else flag(name)
 
 
 def config_fields() -> list[dataclasses.Field]:

@@ -126,7 +126,7 @@ def test_greedy_top_logprobs_match_transformers(backend: str) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_token_with_logprobs_runs_on_an_artifact_without_decode_logits(backend: str) -> None:
     """max_tokens=1: the token and its logprobs come from the prefill logits; a decode past it is refused."""
-    engine = neuron_model(f"llama-2x4x8-{backend}").engine  # no --decode_logits
+    engine = neuron_model(f"llama-2x4x8-{backend}").engine  # --no_decode_logits
     ids = prompt(CHUNK + 2, 14)
     engine.admit("one", ids, SamplingParams(logprobs=2, max_tokens=1))
     try:

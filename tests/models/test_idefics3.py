@@ -158,7 +158,7 @@ def test_optimum_cli_exports_an_image_text_model(tmp_path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     saved = json.loads((out / "neuron_config.json").read_text())
     assert (saved["image_tiles"], saved["image_size"], saved["max_images"]) == (5, 64, 6)
-    assert saved["graphs"] == ["chunked_prefill", "token_generation", "vision_encoder"]
+    assert saved["graphs"] == ["chunked_prefill", "token_generation", "token_generation_logits", "vision_encoder"]
     assert json.loads((out / "config.json").read_text())["model_type"] == "idefics3"
     assert (out / "processor_config.json").is_file()
     batch = inputs(["hello the <image> what is this"], [[0]])

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
 import pytest
 import torch
 
+from optimum.exporters.neuron.__main__ import add_export_arguments, config_from_args
 from optimum.neuron.config import NeuronConfig, load_config_file, runtime_versions
-from optimum.neuron.errors import ArtifactError, IncompatibleConfigError
+from optimum.neuron.errors import ArtifactError, IncompatibleConfigError, InputError
+from optimum.neuron.graphs import graph_specs
+from optimum.neuron.runtime.sampling import SamplingParams
 
 GRAPHS = ["chunked_prefill", "token_generation"]
 
@@ -185,3 +189,34 @@ def test_other_version_with_other_fields_reported_as_version_mismatch() -> None:
     with pytest.raises(ArtifactError, match="exported with") as info:
         load_config_file(json.dumps(body))
     assert "hash" not in str(info.value)
+
+
+def exported_config(*flags: str) -> NeuronConfig:
+    """The config an ``optimum-cli export neuron`` of a chunked model (S 32, C 8) with ``flags`` builds, parsed by
+    the export CLI's own argument parser."""
+    parser = argparse.ArgumentParser()
+    add_export_arguments(parser)
+    return config_from_args(
+        parser.parse_args(["--model", "m", "--sequence_length", "32", "--prefill_chunk_size", "8", *flags, "out"])
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "graphs"),
+    [
+        ((), ["chunked_prefill", "token_generation", "token_generation_logits"]),
+        (("--no_decode_logits",), ["chunked_prefill", "token_generation"]),
+        (("--no_on_device_sampling",), ["chunked_prefill", "token_generation_logits"]),  # valid alone
+    ],
+)
+def test_the_default_export_compiles_the_logits_graph_and_no_decode_logits_leaves_it_out(
+    flags: tuple[str, ...], graphs: list[str]
+) -> None:
+    config = exported_config(*flags)
+    assert [spec.name for spec in graph_specs(config)] == graphs
+    asks_logits = SamplingParams(logprobs=5, return_logits=True)
+    if "token_generation_logits" in graphs:
+        asks_logits.check_graphs(config)
+    else:
+        with pytest.raises(InputError, match=r"exported with --no_decode_logits .*: re-export without --no_decode"):
+            asks_logits.check_graphs(config)

@@ -46,7 +46,7 @@ def test_bad_kv_buckets_are_refused_naming_the_flag(buckets: str, fragment: str)
 def test_symbolic_window_backends_compile_each_graph_once() -> None:
     config = NeuronConfig(sequence_length=32, prefill_chunk_size=8, kv_buckets="16", backend="inductor")
     specs = graph_specs(config)
-    assert [s.name for s in specs] == ["chunked_prefill", "token_generation"]
+    assert [s.name for s in specs] == ["chunked_prefill", "token_generation", "token_generation_logits"]
     assert all(s.windows == (16, 32) and s.symbolic_window for s in specs)
     assert all(window_dims(s) is not None for s in specs)
     single = graph_specs(config.derive(kv_buckets="none"))
@@ -59,7 +59,6 @@ def test_static_backends_compile_one_graph_per_window() -> None:
         prefill_chunk_size=8,
         kv_buckets="16",
         backend="xla",
-        decode_logits=True,
         prompt_logprobs=True,
     )
     names = [s.name for s in graph_specs(config)]
@@ -71,7 +70,7 @@ def test_static_backends_compile_one_graph_per_window() -> None:
         "token_generation",
         "token_generation_logits",
     ]
-    ce = graph_specs(NeuronConfig(sequence_length=32, kv_buckets="16", backend="xla"))
+    ce = graph_specs(NeuronConfig(sequence_length=32, kv_buckets="16", backend="xla", decode_logits=False))
     assert [s.name for s in ce] == ["context_encoding", "token_generation_w16", "token_generation"]
     assert ce[0].windows == (), "context encoding reads no earlier cache"
 
@@ -95,9 +94,7 @@ def test_the_smallest_covering_window_is_chosen(backend: str, kind: GraphKind, r
 
 
 def test_logits_variants_run_in_the_full_window_on_static_backends() -> None:
-    specs = graph_specs(
-        NeuronConfig(sequence_length=32, prefill_chunk_size=8, kv_buckets="16", backend="xla", decode_logits=True)
-    )
+    specs = graph_specs(NeuronConfig(sequence_length=32, prefill_chunk_size=8, kv_buckets="16", backend="xla"))
     found = select_graph(specs, GraphKind.TOKEN_GENERATION, logits=True, reach=3)
     assert found is not None and found[1] == 32 and found[0].name == "token_generation_logits"
 

@@ -93,18 +93,18 @@ def test_graph_variants_and_selection() -> None:
         found = select_graph(specs, kind, **options)
         return None if found is None else found[0]
 
+    minimal = graph_specs(NeuronConfig(prefill_chunk_size=8, sequence_length=32, decode_logits=False))
+    assert [s.name for s in minimal] == ["chunked_prefill", "token_generation"], "the minimal artifact gained a graph"
+    assert chosen(minimal, GraphKind.TOKEN_GENERATION).samples_on_device  # type: ignore[union-attr]
+    assert chosen(minimal, GraphKind.TOKEN_GENERATION, logits=True) is None
+    assert chosen(minimal, GraphKind.CHUNKED_PREFILL, all_rows=True) is None
     default = graph_specs(NeuronConfig(prefill_chunk_size=8, sequence_length=32))
-    assert [s.name for s in default] == ["chunked_prefill", "token_generation"], "the default artifact gained a graph"
+    assert [s.name for s in default] == ["chunked_prefill", "token_generation", "token_generation_logits"]
     assert chosen(default, GraphKind.TOKEN_GENERATION).samples_on_device  # type: ignore[union-attr]
-    assert chosen(default, GraphKind.TOKEN_GENERATION, logits=True) is None
-    assert chosen(default, GraphKind.CHUNKED_PREFILL, all_rows=True) is None
-    logits = graph_specs(NeuronConfig(prefill_chunk_size=8, sequence_length=32, decode_logits=True))
-    assert [s.name for s in logits] == ["chunked_prefill", "token_generation", "token_generation_logits"]
-    assert chosen(logits, GraphKind.TOKEN_GENERATION).samples_on_device  # type: ignore[union-attr]
-    assert not chosen(logits, GraphKind.TOKEN_GENERATION, logits=True).samples_on_device  # type: ignore[union-attr]
-    full = graph_specs(NeuronConfig(sequence_length=32, prompt_logprobs=True))
+    assert not chosen(default, GraphKind.TOKEN_GENERATION, logits=True).samples_on_device  # type: ignore[union-attr]
+    full = graph_specs(NeuronConfig(sequence_length=32, prompt_logprobs=True, decode_logits=False))
     assert [s.name for s in full] == ["context_encoding", "context_encoding_all_rows", "token_generation"]
-    host = graph_specs(NeuronConfig(sequence_length=32, on_device_sampling=False, decode_logits=True))
+    host = graph_specs(NeuronConfig(sequence_length=32, on_device_sampling=False))
     assert [s.name for s in host] == ["context_encoding", "token_generation_logits"]
     assert chosen(host, GraphKind.TOKEN_GENERATION) is chosen(host, GraphKind.TOKEN_GENERATION, logits=True)
 
@@ -112,9 +112,9 @@ def test_graph_variants_and_selection() -> None:
 @pytest.mark.parametrize(
     ("params", "config", "flag"),
     [
-        (SamplingParams(prompt_logprobs=0), NeuronConfig(decode_logits=True), "--prompt_logprobs"),
-        (SamplingParams(logprobs=2), NeuronConfig(prompt_logprobs=True), "--decode_logits"),
-        (SamplingParams(return_logits=True), NeuronConfig(), "--decode_logits"),
+        (SamplingParams(prompt_logprobs=0), NeuronConfig(), "--prompt_logprobs"),
+        (SamplingParams(logprobs=2), NeuronConfig(prompt_logprobs=True, decode_logits=False), "--no_decode_logits"),
+        (SamplingParams(return_logits=True), NeuronConfig(decode_logits=False), "--no_decode_logits"),
     ],
 )
 def test_a_request_needing_a_missing_graph_names_the_export_flag(
@@ -126,16 +126,18 @@ def test_a_request_needing_a_missing_graph_names_the_export_flag(
 
 def test_one_token_needs_no_decode_logits() -> None:
     """lm-evaluation-harness's loglikelihood request (echo, logprobs, max_tokens=1) samples only from the prefill."""
-    SamplingParams(logprobs=1, prompt_logprobs=1, max_tokens=1).check_graphs(NeuronConfig(prompt_logprobs=True))
-    with pytest.raises(InputError, match="--decode_logits"):
-        SamplingParams(logprobs=1, prompt_logprobs=1, max_tokens=2).check_graphs(NeuronConfig(prompt_logprobs=True))
+    minimal = NeuronConfig(prompt_logprobs=True, decode_logits=False)
+    SamplingParams(logprobs=1, prompt_logprobs=1, max_tokens=1).check_graphs(minimal)
+    with pytest.raises(InputError, match="--no_decode_logits"):
+        SamplingParams(logprobs=1, prompt_logprobs=1, max_tokens=2).check_graphs(minimal)
     with pytest.raises(InputError, match="max_tokens"):
         SamplingParams(max_tokens=0)
 
 
 def test_available_graphs_pass() -> None:
-    SamplingParams(prompt_logprobs=-1, logprobs=5).check_graphs(NeuronConfig(prompt_logprobs=True, decode_logits=True))
-    SamplingParams(logprobs=0).check_graphs(NeuronConfig(on_device_sampling=False))
+    SamplingParams(prompt_logprobs=-1, logprobs=5).check_graphs(NeuronConfig(prompt_logprobs=True))
+    SamplingParams(logprobs=0, return_logits=True).check_graphs(NeuronConfig())  # the default artifact serves them
+    SamplingParams(logprobs=0).check_graphs(NeuronConfig(on_device_sampling=False, decode_logits=False))
     SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=1).check_graphs(NeuronConfig())
 
 

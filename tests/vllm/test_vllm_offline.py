@@ -158,7 +158,9 @@ def long_artifact(chunk: int) -> Path:
     from optimum.exporters.neuron.export import export
     from optimum.neuron import NeuronConfig
 
-    config = NeuronConfig(batch_size=1, sequence_length=8448, prefill_chunk_size=chunk, backend="eager")
+    config = NeuronConfig(
+        batch_size=1, sequence_length=8448, prefill_chunk_size=chunk, backend="eager", decode_logits=False
+    )
     name = f"llama-1x{8448 // chunk}x{chunk}-eager" if chunk else "llama-1x1x8448-ce-eager"
     return export(tiny_model("llama"), cache_dir() / "fixtures" / name, config)
 

@@ -185,5 +185,6 @@ def test_logprobs_and_prompt_logprobs_reach_vllm_outputs() -> None:
 
 
 def _logprobs_engine() -> Engine:
-    """A fresh engine on the eager fixture with the graphs returning logits (``--prompt_logprobs --decode_logits``)."""
+    """A fresh engine on the eager fixture with the graphs returning logits (``--prompt_logprobs``, and the
+    token-generation graph returning logits that the other fixtures leave out)."""
     return Engine(Artifact.open(export_fixture("llama-2x4x8-logprobs-eager")))

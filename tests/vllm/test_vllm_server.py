@@ -1,13 +1,16 @@
 """``vllm serve`` over HTTP on 127.0.0.1 with the optimum-neuronx plugin: completions, chat completions
 with the model's chat template, streaming, per-request refusals; greedy text equals the offline engine's;
 ``echo`` + ``logprobs`` (prompt logprobs) equal transformers'; a request needing a graph the artifact lacks gets
-HTTP 400 naming the export flag; SmolLM2 answers a chat question readably and follows a JSON schema (structured
-output). Each test runs in a fresh interpreter."""
+HTTP 400 naming the export flag; SmolLM2's default export answers a chat question readably and serves logprobs,
+a presence penalty, min_tokens, logit_bias and a JSON schema (structured output) with right results. Each test
+runs in a fresh interpreter."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,11 +18,12 @@ import torch
 from tests.fixtures.llm.models import export_fixture
 from tests.fixtures.llm.smollm2 import XDIST_GROUP
 from tests.utils import subprocess_test
-from tests.vllm.server import vllm_serve
+from tests.vllm.server import Server, vllm_serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 PROMPT = "hello world what is the capital of france"
 MESSAGES = [{"role": "user", "content": "what is the capital of france"}]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def offline(artifact: Path) -> tuple[str, str]:
@@ -57,7 +61,7 @@ def test_serve_completions_chat_and_streaming_equal_offline(tmp_path: Path) -> N
         assert status == 400 and "--prompt_logprobs" in body, (status, body)
         penalty = {"model": name, "prompt": PROMPT, "max_tokens": 4, "presence_penalty": 0.5}
         status, body = server.post_error("/v1/completions", penalty)  # nor the token-generation graph of logits
-        assert status == 400 and "--decode_logits" in body, (status, body)
+        assert status == 400 and "re-export without --no_decode_logits" in body, (status, body)
         status, body = server.post_error("/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": 40})
         assert status == 400 and "32" in body, (status, body)  # longer than the compiled sequence length
         again = server.post("/v1/completions", {"model": name, "prompt": PROMPT, **greedy})
@@ -87,39 +91,97 @@ def test_serve_echo_logprobs_equal_transformers(tmp_path: Path) -> None:
     assert abs(scores[-1] - float(expected[-1].max())) <= 1e-4, "the greedy token's own logprob"
 
 
+MIN_TOKENS = 24
+"""More tokens than SmolLM2's greedy answer to `QUESTION` holds before its EOS."""
+BIASED = 1000
+"""The token id a +100 logit bias makes every generated token."""
+COUNTRY = {
+    "type": "object",
+    "properties": {"country": {"type": "string"}, "capital": {"type": "string"}, "population": {"type": "integer"}},
+    "required": ["country", "capital", "population"],
+    "additionalProperties": False,
+}
+
+
 @pytest.mark.xdist_group(XDIST_GROUP)
 @subprocess_test
-def test_serve_smollm2_answers_a_chat_question(tmp_path: Path) -> None:
-    from tests.fixtures.llm.smollm2 import CHUNKED, smollm2_artifact
+def test_serve_smollm2_default_export_serves_every_request(tmp_path: Path) -> None:
+    """The README's export, the default `NeuronConfig` but for its shapes (so with the token-generation graph
+    returning logits), answers a chat question, then ``logprobs: 5``, ``presence_penalty``, ``min_tokens``,
+    ``logit_bias`` and a JSON schema with HTTP 200 and right results: vLLM's host sampling on a default artifact."""
+    from tests.fixtures.llm import smollm2 as smol
 
-    artifact = smollm2_artifact(CHUNKED.format(backend="inductor"))  # the README's export
-    question = [{"role": "user", "content": "What is the capital of France?"}]
+    artifact = smol.smollm2_artifact(smol.CHUNKED.format(backend="inductor"))
+    assert "token_generation_logits" in json.loads((artifact / "neuron_config.json").read_text())["graphs"]
+    ids = smol.chat_ids(QUESTION[0]["content"])[0].tolist()
+    with torch.no_grad():
+        first = torch.log_softmax(smol.reference()(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
     with vllm_serve(artifact, tmp_path / "serve.log") as server:
         name = server.get("/v1/models")["data"][0]["id"]
-        body = {"model": name, "messages": question, "max_tokens": 24, "temperature": 0.0}
-        answer = server.post("/v1/chat/completions", body)["choices"][0]["message"]["content"]
-    assert "Paris" in answer, answer
+        body = {"model": name, "messages": QUESTION, "max_tokens": 24, "temperature": 0.0}
+        assert "Paris" in ok(server, "/v1/chat/completions", body)["message"]["content"]
+
+        def complete(**fields: Any) -> dict[str, Any]:
+            body = {"model": name, "prompt": ids, "temperature": 0.0, "return_token_ids": True, **fields}
+            return ok(server, "/v1/completions", body)
+
+        plain = complete(max_tokens=MIN_TOKENS)
+        assert plain["finish_reason"] == "stop" and len(plain["token_ids"]) < MIN_TOKENS, plain  # stops at EOS
+        check_logprobs(complete(max_tokens=MIN_TOKENS, logprobs=5, return_tokens_as_token_ids=True), plain, first)
+        check_presence_penalty(complete, plain)
+        check_min_tokens(complete(max_tokens=2 * MIN_TOKENS, min_tokens=MIN_TOKENS), plain)
+        biased = complete(max_tokens=6, logit_bias={str(BIASED): 100.0}, ignore_eos=True)
+        assert biased["token_ids"] == [BIASED] * 6, biased
+        check_json_schema(server, name)
 
 
-@pytest.mark.xdist_group(XDIST_GROUP)
-@subprocess_test
-def test_serve_smollm2_follows_a_json_schema(tmp_path: Path) -> None:
-    """Structured output: vLLM's grammar bitmask applied by its own sampler on the host (``--decode_logits``)."""
+def ok(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The first choice of a POST that must answer HTTP 200."""
+    status, text = server.post_error(path, body)
+    assert status == 200, (body, status, text)
+    return dict(json.loads(text)["choices"][0])
+
+
+def check_logprobs(scored: dict[str, Any], plain: dict[str, Any], first: torch.Tensor) -> None:
+    """Five candidates per token, the greedy token's logprob their maximum, the same tokens as without logprobs, and
+    the first token's logprobs equal to transformers' (``first``: its log-softmax)."""
+    assert scored["token_ids"] == plain["token_ids"], "asking logprobs changed the greedy tokens"
+    found = scored["logprobs"]
+    assert len(found["top_logprobs"]) == len(found["token_logprobs"]) == len(plain["token_ids"])
+    for token, chosen, top in zip(plain["token_ids"], found["token_logprobs"], found["top_logprobs"], strict=True):
+        assert len(top) == 5 and f"token_id:{token}" in top, top
+        assert chosen == pytest.approx(max(top.values()), abs=1e-6), (chosen, top)
+    for key, value in found["top_logprobs"][0].items():
+        assert value == pytest.approx(float(first[int(key.removeprefix("token_id:"))]), abs=1e-3), key
+    assert min(found["top_logprobs"][0].values()) >= float(first.topk(5).values[-1]) - 1e-3, "not the top five"
+
+
+def check_presence_penalty(complete: Callable[..., dict[str, Any]], plain: dict[str, Any]) -> None:
+    """A strong presence penalty changes the greedy continuation (its prefix before the first repeated token
+    aside) and repeats fewer tokens."""
+    unpenalized = complete(max_tokens=MIN_TOKENS, ignore_eos=True)["token_ids"]
+    penalized = complete(max_tokens=MIN_TOKENS, ignore_eos=True, presence_penalty=2.0)["token_ids"]
+    assert unpenalized[: len(plain["token_ids"])] == plain["token_ids"]
+    assert len(penalized) == MIN_TOKENS and penalized != unpenalized, penalized
+    assert len(set(penalized)) > len(set(unpenalized)), (penalized, unpenalized)
+
+
+def check_min_tokens(longer: dict[str, Any], plain: dict[str, Any]) -> None:
+    """``min_tokens`` past the greedy EOS: the same answer up to it, then no EOS before ``min_tokens`` tokens."""
+    stop = len(plain["token_ids"]) - 1  # plain's last token is its EOS
+    assert len(longer["token_ids"]) >= MIN_TOKENS, longer
+    assert longer["token_ids"][:stop] == plain["token_ids"][:stop]
+    assert plain["token_ids"][stop] not in longer["token_ids"][:MIN_TOKENS], "EOS before min_tokens"
+
+
+def check_json_schema(server: Server, name: str) -> None:
+    """Structured output: vLLM's grammar bitmask applied by its own sampler on the host; the answer parses as JSON
+    that the schema validates."""
     import jsonschema
 
-    from tests.fixtures.llm.smollm2 import HOST_SAMPLING, smollm2_artifact
-
-    schema = {
-        "type": "object",
-        "properties": {"country": {"type": "string"}, "capital": {"type": "string"}, "population": {"type": "integer"}},
-        "required": ["country", "capital", "population"],
-        "additionalProperties": False,
-    }
     describe = [{"role": "user", "content": "Describe France as JSON: its name, capital and population."}]
-    response_format = {"type": "json_schema", "json_schema": {"name": "country", "schema": schema}}
-    with vllm_serve(smollm2_artifact(HOST_SAMPLING), tmp_path / "serve.log") as server:
-        name = server.get("/v1/models")["data"][0]["id"]
-        body = {"model": name, "messages": describe, "max_tokens": 120, "temperature": 0.0}
-        choice = server.post("/v1/chat/completions", {**body, "response_format": response_format})["choices"][0]
+    response_format = {"type": "json_schema", "json_schema": {"name": "country", "schema": COUNTRY}}
+    body = {"model": name, "messages": describe, "max_tokens": 120, "temperature": 0.0}
+    choice = ok(server, "/v1/chat/completions", {**body, "response_format": response_format})
     assert choice["finish_reason"] == "stop", choice  # the grammar ended the object before max_tokens
-    jsonschema.validate(json.loads(choice["message"]["content"]), schema)  # parses and validates, or raises
+    jsonschema.validate(json.loads(choice["message"]["content"]), COUNTRY)  # parses and validates, or raises

@@ -11,8 +11,12 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...neuron.errors import NeuronError
+
+if TYPE_CHECKING:
+    from ...neuron.config import NeuronConfig
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,15 +37,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_field(parser: argparse.ArgumentParser, spec: dataclasses.Field, doc: str) -> None:
     """One flag for config field ``spec``: ``--<flag> VALUE``, or a switch for a boolean field."""
-    from ...neuron.config import CHOICES, flag
+    from ...neuron.config import CHOICES, flag, switch
 
     help_text = doc.replace("%", "%%")
     if isinstance(spec.default, bool):
-        switch = flag(spec.name) if not spec.default else f"--no_{flag(spec.name).removeprefix('--')}"
         action = "store_false" if spec.default else "store_true"
-        parser.add_argument(
-            switch, dest=spec.name, action=action, help=f"Turn off: {help_text}" if spec.default else help_text
-        )
+        default = " (default: on)" if spec.default else " (default: off)"
+        parser.add_argument(switch(spec.name), dest=spec.name, action=action, help=help_text + default)
         return
     parser.add_argument(
         flag(spec.name),
@@ -54,13 +56,18 @@ def _add_field(parser: argparse.ArgumentParser, spec: dataclasses.Field, doc: st
     )
 
 
+def config_from_args(args: argparse.Namespace) -> NeuronConfig:
+    """The `NeuronConfig` that flags parsed by `add_export_arguments` describe (validated when built)."""
+    from ...neuron.config import NeuronConfig, config_fields
+
+    return NeuronConfig(**{spec.name: getattr(args, spec.name) for spec in config_fields()})
+
+
 def run_export(args: argparse.Namespace) -> Path:
     """Build the `NeuronConfig` from parsed flags and export."""
-    from ...neuron.config import NeuronConfig, config_fields
     from .export import export
 
-    config = NeuronConfig(**{spec.name: getattr(args, spec.name) for spec in config_fields()})
-    return export(args.model, args.output, config, use_cache=not args.no_cache)
+    return export(args.model, args.output, config_from_args(args), use_cache=not args.no_cache)
 
 
 def main(argv: list[str] | None = None) -> int:

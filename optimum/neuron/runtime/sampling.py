@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..config import switch
 from ..errors import InputError
 from ..graphs import GraphKind, graph_specs, prefill_kind, select_graph
 from ..models.layers.sampling import processed_scores, sample_tokens
@@ -163,10 +164,11 @@ class SamplingParams:
             )
         decodes = self.max_tokens != 1  # a single token is sampled from the prefill logits
         if self.needs_logits and decodes and not select_graph(specs, GraphKind.TOKEN_GENERATION, logits=True):
+            minimal = switch("decode_logits")
             raise InputError(
                 "logprobs, logits and host sampling (penalties, min_p, min_tokens, logit_bias, bad words, allowed "
-                "token ids, structured output) need a token-generation graph that returns logits, which this "
-                "artifact was exported without: re-export with --decode_logits (or --no_on_device_sampling)."
+                "token ids, structured output) need a token-generation graph that returns logits, and this artifact "
+                f"was exported with {minimal} (without it): re-export without {minimal}."
             )
 
     def scores(self, logits: torch.Tensor, max_topk: int) -> torch.Tensor:
