@@ -19,6 +19,7 @@ compile workers, compiler subprocesses included), sampled every 50 ms. Results:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -57,10 +58,8 @@ def timed(command: list[str], env: dict[str, str]) -> dict[str, float]:
 def _tree_rss(process: psutil.Process) -> int:
     total = 0
     for member in (process, *process.children(recursive=True)):
-        try:
+        with contextlib.suppress(psutil.Error):  # exited between the listing and the read
             total += member.memory_info().rss
-        except psutil.Error:  # exited between the listing and the read
-            pass
     return total
 
 
