@@ -29,8 +29,8 @@ from .errors import CacheError
 
 LIST_HELP = "Show the cached artifacts and compiled graphs, their size and last use."
 CLEAR_HELP = "Remove every cached artifact and compiled graph (--all: inductor's and the kernels' caches too)."
-_HEADERS = ("batch", "seq len", "chunk", "dtype", "backend", "device")
-"""The artifacts table's headers of `ARTIFACT_FIELDS`."""
+_HEADERS = ("batch", "seq", "chunk", "dtype", "backend")
+"""The artifacts table's headers of `ARTIFACT_FIELDS` (backend and device in one column)."""
 PRUNE_HELP = "Remove the least recently used artifacts and compiled graphs until the cache fits --max-size."
 
 
@@ -137,23 +137,26 @@ def _graph_row(entry: Entry, references: list[str]) -> dict[str, Any]:
 
 
 def _when(epoch: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(epoch))
+    return time.strftime("%m-%d %H:%M", time.localtime(epoch))
 
 
 def _print_tables(body: dict[str, Any]) -> None:
-    """The listing as two rich tables and a totals line."""
+    """The listing as two rich tables and a totals line. The tables keep their natural width (a narrow terminal wraps
+    their lines): a key or a graph name is never cut or folded, so that it can be copied."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     console.print(f"compile cache: {body['root']}")
-    artifacts = Table("key", "model", *_HEADERS, "graphs", "size", "last use", title="artifacts (exports/)")
+    artifacts = _table("artifacts (exports/)", "key", "model", *_HEADERS, "graphs", "size", "last use")
     for row in body["artifacts"]:
         artifacts.add_row(*_artifact_cells(row))
-    graphs = Table("key", "graph", "model", "backend", "size", "compile s", "last use", "artifacts", title="graphs/")
+    graphs = _table("compiled graphs (graphs/)", "key", "graph", "model", "backend", "size", "compile", "last use")
+    graphs.add_column("used by")
     for row in body["graphs"]:
         graphs.add_row(*_graph_cells(row))
-    console.print(artifacts, graphs)
+    for table in (artifacts, graphs):
+        width = max(console.width, console.measure(table, options=console.options.update_width(1000)).maximum)
+        Console(width=width, force_terminal=console.is_terminal).print(table)
     totals = body["totals"]
     scratch = ", ".join(f"{name}/ {format_size(totals[name])}" for name in SCRATCH)
     console.print(
@@ -163,16 +166,35 @@ def _print_tables(body: dict[str, Any]) -> None:
     )
 
 
+def _table(title: str, *headers: str) -> Any:
+    """A compact table with the columns ``headers``."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(*headers, title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, title_justify="left")
+    return table
+
+
 def _artifact_cells(row: dict[str, Any]) -> list[str]:
-    model = row["architecture"] or row["model_type"] or "?"
-    fields = [str(row[name]) for name in ARTIFACT_FIELDS]
-    return [row["key"], model, *fields, ", ".join(row["graphs"]), format_size(row["size"]), _when(row["last_use"])]
+    fields = [str(row[name]) for name in ARTIFACT_FIELDS if name not in ("backend", "device")]
+    backend = f"{row['backend']}/{row['device']}"
+    graphs = "\n".join(row["graphs"])
+    return [
+        row["key"],
+        str(row["model_type"]),
+        *fields,
+        backend,
+        graphs,
+        format_size(row["size"]),
+        _when(row["last_use"]),
+    ]
 
 
 def _graph_cells(row: dict[str, Any]) -> list[str]:
-    seconds = "?" if row["compile_seconds"] is None else f"{row['compile_seconds']:.1f}"
-    names = [str(row[name]) for name in ("graph", "model", "backend")]
-    return [row["key"], *names, format_size(row["size"]), seconds, _when(row["last_use"]), str(row["artifacts"])]
+    seconds = "?" if row["compile_seconds"] is None else f"{row['compile_seconds']:.1f} s"
+    backend = f"{row['backend']}/{row['device']}"
+    size, when = format_size(row["size"]), _when(row["last_use"])
+    return [row["key"], str(row["graph"]), str(row["model"]), backend, size, seconds, when, str(row["artifacts"])]
 
 
 def _print_report(root: Path, report: Report, dry_run: bool) -> None:
