@@ -38,3 +38,7 @@ class SlotError(NeuronError, RuntimeError):
 class ExportError(NeuronError, RuntimeError):
     """An export could not finish for a reason outside its inputs (a compile worker died, a bad setting of the
     environment); nothing half-built is left in the cache."""
+
+
+class CacheError(NeuronError, ValueError):
+    """A cache command (``optimum-cli neuron cache``) was given a value it cannot use; nothing was removed."""
