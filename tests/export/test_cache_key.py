@@ -92,7 +92,7 @@ def test_export_cache_hits_and_misses(sources: Path, tmp_path: Path, monkeypatch
     fingerprint = lambda: sources_fingerprint(sources)  # noqa: E731
     monkeypatch.setattr(export_module, "code_fingerprint", fingerprint)
     monkeypatch.setattr(graph_cache, "code_fingerprint", fingerprint)
-    config = NeuronConfig(batch_size=2, sequence_length=32, prefill_chunk_size=8, backend="eager")
+    config = NeuronConfig(batch_size=2, sequence_length=32, prefill_chunk_size=8, backend="eager", decode_logits=False)
 
     def exports() -> tuple[int, int]:
         export_module.export(tiny_model("llama"), tmp_path / "out", config)

@@ -36,8 +36,9 @@ PROMPT = [5, 17, 42, 9, 33, 71, 2, 64, 12, 90, 7, 41, 28, 3, 55, 19, 80, 11, 6, 
 
 
 def config(**changes: object) -> NeuronConfig:
-    """The tiny export shape of the test fixtures (inductor)."""
+    """The tiny export shape of the test fixtures (inductor, the minimal artifact: two graphs)."""
     base = {"batch_size": 2, "sequence_length": 32, "prefill_chunk_size": 8, "kv_buckets": FIXTURE_KV_BUCKETS}
+    base["decode_logits"] = False
     return NeuronConfig(**{**base, **changes})  # type: ignore[arg-type]
 
 
@@ -51,7 +52,9 @@ def private_cache(tmp_path: Path, model: Path, monkeypatch: pytest.MonkeyPatch) 
     """An empty cache for this test (the packed kernel's build linked from the project cache)."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    (cache / "kernels").symlink_to(cache_root() / "kernels")
+    kernels = cache_root() / "kernels"
+    kernels.mkdir(exist_ok=True)  # on a fresh clone the kernel is built on first use, through the link
+    (cache / "kernels").symlink_to(kernels)
     monkeypatch.setenv("OPTIMUM_NEURON_CACHE", str(cache))
     monkeypatch.setenv("COLUMNS", "200")  # the progress lines whole
     return cache

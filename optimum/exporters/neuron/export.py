@@ -62,15 +62,14 @@ def export(model_dir: str | Path, output_dir: str | Path, config: NeuronConfig, 
         _check_inputs(model_dir, config)
         _build(model_dir, output_dir, config, None)
         return output_dir
-    cached = cached_export(model_dir, config)
-    if output_dir.resolve() != cached.resolve():
-        _copy_tree(cached, output_dir)
+    cached_export(model_dir, config, copy_to=output_dir)
     return output_dir
 
 
-def cached_export(model_dir: str | Path, config: NeuronConfig) -> Path:
+def cached_export(model_dir: str | Path, config: NeuronConfig, copy_to: Path | None = None) -> Path:
     """The export cache's artifact of ``model_dir`` under ``config``, built on first use (one process builds,
-    concurrent ones wait for it). Read it, never write into it: `export` gives a private copy."""
+    concurrent ones wait for it). Read it, never write into it: `export` gives a private copy (``copy_to``, made
+    under the entry's lock, so that ``optimum-cli neuron cache prune`` cannot remove it halfway)."""
     model_dir = Path(model_dir)
     _check_inputs(model_dir, config)
     key = config.cache_key(f"{model_fingerprint(model_dir)}:{code_fingerprint()}")
@@ -81,17 +80,24 @@ def cached_export(model_dir: str | Path, config: NeuronConfig) -> Path:
 
             Console(stderr=True).print(f"[green]export cache hit[/green] {cached}")
             os.utime(cached)  # its last use (`optimum-cli neuron cache list`, `prune`)
-            return cached
-        staging = cached.with_name(f"{key}.tmp{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
-        try:
-            _build(model_dir, staging, config, GraphCache.default())
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)  # a failed export leaves nothing in the cache
-            raise
-        shutil.rmtree(cached, ignore_errors=True)
-        staging.rename(cached)
+        else:
+            _build_entry(model_dir, config, cached)
+        if copy_to is not None and copy_to.resolve() != cached.resolve():
+            _copy_tree(cached, copy_to)
     return cached
+
+
+def _build_entry(model_dir: Path, config: NeuronConfig, cached: Path) -> None:
+    """Build the artifact cache's entry ``cached`` (its lock held): in a private folder, renamed when whole."""
+    staging = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        _build(model_dir, staging, config, GraphCache.default())
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a failed export leaves nothing in the cache
+        raise
+    shutil.rmtree(cached, ignore_errors=True)
+    staging.rename(cached)
 
 
 def _check_inputs(model_dir: Path, config: NeuronConfig) -> None:
@@ -144,7 +150,7 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, graphs: GraphCache 
             if graphs is not None:
                 entry = {**record, "graph": spec.name, "compile_seconds": round(seconds, 2)}
                 graphs.commit(keys[spec.name], staged[spec.name], entry)
-                graphs.take(keys[spec.name], folder)
+                assert graphs.take(keys[spec.name], folder), "an entry vanished under its lock"
             lines[spec.name].finish(f"compiled in {seconds:.1f}s")
 
         compile_graphs(jobs, load, worker_count(len(jobs), config, model_dir), model_dir, config, done)
@@ -177,13 +183,14 @@ def _plan(
     jobs, waiting = [], []
     for spec in specs:
         key = keys[spec.name]
-        if not graphs.has(key) and held.enter_context(graphs.lock(key, wait=False)) and not graphs.has(key):
-            jobs.append((spec, held.enter_context(graphs.staging(key))))
-        elif graphs.has(key):
-            graphs.take(key, folder)
+        if graphs.take(key, folder):
+            lines[spec.name].finish("cached")
+        elif not held.enter_context(graphs.lock(key, wait=False)):
+            waiting.append(spec)
+        elif graphs.take(key, folder):  # compiled by another export between the two checks
             lines[spec.name].finish("cached")
         else:
-            waiting.append(spec)
+            jobs.append((spec, held.enter_context(graphs.staging(key))))
     return jobs, waiting
 
 
@@ -192,14 +199,13 @@ def _take_or_compile(
 ) -> None:
     """Wait for the process compiling ``key``'s graph, then take it; compile it here when that process failed."""
     with graphs.lock(key):
-        if graphs.has(key):
-            graphs.take(key, folder)
+        if graphs.take(key, folder):
             line.finish("cached: compiled by another export")
             return
         with graphs.staging(key) as staging:
             seconds = builder.compile(spec, staging)
             graphs.commit(key, staging, {**record, "graph": spec.name, "compile_seconds": round(seconds, 2)})
-        graphs.take(key, folder)
+        assert graphs.take(key, folder), "an entry vanished under its lock"
         line.finish(f"compiled in {seconds:.1f}s")
 
 

@@ -110,14 +110,22 @@ class GraphCache:
         shutil.rmtree(self.folder(key), ignore_errors=True)  # an unfinished folder left by hand: never an entry
         staging.rename(self.folder(key))
 
-    def take(self, key: str, into: Path) -> None:
+    def take(self, key: str, into: Path) -> bool:
         """Put the graph files of ``key``'s entry into the folder ``into`` (hard links where the file system allows,
-        else copies: the artifact stays whole when the entry is pruned) and mark the entry used now."""
+        else copies: the artifact stays whole when the entry is pruned) and mark the entry used now; False when there
+        is no such entry, or it was removed while being taken (``optimum-cli neuron cache prune`` in another
+        process): the caller compiles the graph instead."""
+        if not self.has(key):
+            return False
         folder = self.folder(key)
-        for source in sorted(folder.iterdir()):
-            if source.name != ENTRY_FILE:
-                _link_or_copy(source, into / source.name)
-        os.utime(folder)
+        try:
+            for source in sorted(folder.iterdir()):
+                if source.name != ENTRY_FILE:
+                    _link_or_copy(source, into / source.name)
+            os.utime(folder)
+        except FileNotFoundError:
+            return False
+        return True
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
