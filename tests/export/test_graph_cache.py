@@ -28,7 +28,7 @@ from optimum.neuron.cache_dir import cache_root
 from optimum.neuron.config import NeuronConfig
 from optimum.neuron.errors import ExportError
 from optimum.neuron.graphs import graph_fields, graph_specs
-from tests.fixtures.llm.models import FIXTURE_KV_BUCKETS, tiny_model
+from tests.fixtures.llm.models import FIXTURE_KV_BUCKETS, export_fixture, tiny_model
 from tests.fixtures.llm.reference import hf_greedy
 
 PROMPT = [5, 17, 42, 9, 33, 71, 2, 64, 12, 90, 7, 41, 28, 3, 55, 19, 80, 11, 6, 25]
@@ -96,21 +96,6 @@ def test_only_the_graphs_a_change_reaches_get_new_keys(model: Path) -> None:
     assert not set(eight.values()) & set(three.values())
 
 
-def test_a_reexport_with_another_chunk_takes_the_token_generation_graph(
-    private_cache: Path, model: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    first = export(model, tmp_path / "eight", config())
-    assert "compiled in" in capfd.readouterr().err
-    second = export(model, tmp_path / "sixteen", config(prefill_chunk_size=16))
-    shown = [line for line in capfd.readouterr().err.splitlines() if "KV windows" in line]
-    assert any("token_generation" in line and "(cached)" in line for line in shown), shown
-    assert any("chunked_prefill [1, 16]" in line and "compiled in" in line for line in shown), shown
-    one, two = manifest_keys(first), manifest_keys(second)
-    assert one["token_generation"] == two["token_generation"] and one["chunked_prefill"] != two["chunked_prefill"]
-    assert len(entries(private_cache)) == 3
-    assert greedy(second) == hf_greedy(model, PROMPT, 6)
-
-
 def _generated_code(artifact: Path) -> dict[str, list[str]]:
     """The C++ AOTInductor generated for each graph, without its comments (which name temporary paths)."""
     code = {}
@@ -124,22 +109,33 @@ def _generated_code(artifact: Path) -> dict[str, list[str]]:
     return code
 
 
-def test_parallel_compile_changes_nothing_in_the_artifact(
-    private_cache: Path, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_parallel_compile_then_a_reexport_with_another_chunk(
+    private_cache: Path, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    artifacts = {}
-    for workers in ("1", "2"):
-        monkeypatch.setenv("OPTIMUM_NEURON_CACHE", str(private_cache / workers))
-        (private_cache / workers).mkdir()
-        (private_cache / workers / "kernels").symlink_to(private_cache / "kernels")
-        monkeypatch.setenv(WORKERS_ENV, workers)
-        artifacts[workers] = export(model, tmp_path / f"workers{workers}", config())
-    serial, parallel = artifacts["1"], artifacts["2"]
-    assert manifest_keys(serial) == manifest_keys(parallel)
+    """Two graphs compiled by two processes give the artifact one process gives (the shared fixture of the same
+    config: the same keys, generated code, weights and tokens); a re-export changing only the chunk then compiles
+    only the prefill graph and takes the token-generation graph, and its tokens equal transformers'."""
+    monkeypatch.setenv(WORKERS_ENV, "2")
+    parallel = export(model, tmp_path / "eight", config())
+    assert sum("compiled in" in line for line in capfd.readouterr().err.splitlines()) == 2
+    with monkeypatch.context() as project:  # the shared fixture of this config, compiled in one process
+        project.setenv("OPTIMUM_NEURON_CACHE", str((private_cache / "kernels").resolve().parent))
+        project.delenv(WORKERS_ENV)
+        serial = export_fixture("llama-2x4x8-inductor")
+    assert manifest_keys(parallel) == manifest_keys(serial)
     assert (serial / "model.safetensors").read_bytes() == (parallel / "model.safetensors").read_bytes()
-    code = _generated_code(serial)
-    assert len(code) == 4 and code == _generated_code(parallel)  # kernel + wrapper of both graphs
-    assert greedy(serial) == greedy(parallel) == hf_greedy(model, PROMPT, 6)
+    code = _generated_code(parallel)
+    assert len(code) == 4 and code == _generated_code(serial)  # kernel + wrapper of both graphs
+    assert greedy(parallel) == greedy(serial) == hf_greedy(model, PROMPT, 6)
+
+    sixteen = export(model, tmp_path / "sixteen", config(prefill_chunk_size=16))
+    shown = [line for line in capfd.readouterr().err.splitlines() if "KV windows" in line]
+    assert any("token_generation" in line and "(cached)" in line for line in shown), shown
+    assert any("chunked_prefill [1, 16]" in line and "compiled in" in line for line in shown), shown
+    one, two = manifest_keys(parallel), manifest_keys(sixteen)
+    assert one["token_generation"] == two["token_generation"] and one["chunked_prefill"] != two["chunked_prefill"]
+    assert len(entries(private_cache)) == 3
+    assert greedy(sixteen) == hf_greedy(model, PROMPT, 6)
 
 
 _EXPORT = """

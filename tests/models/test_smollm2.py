@@ -1,7 +1,8 @@
 """The real model: SmolLM2-135M-Instruct (fp32), converted from the bundled GGUF (DESIGN.md §6).
 
 Chunked prefill on every backend is part of the backend contract (`tests/contract`). Here: context
-encoding (S = 512, inductor) gives transformers' greedy tokens for a ChatML prompt longer than a chunk;
+encoding (S = 1024, inductor, in the chunked artifacts' batch and length, so that it shares their token-generation
+graph) gives transformers' greedy tokens for a ChatML prompt longer than a chunk;
 the last-token prefill logits of both prefill modes are within `LOGIT_TOLERANCE` of transformers' for a
 long and a short prompt, and of each other; the conversion is strict and reproducible; and the model
 answers "What is the capital of France?" with Paris.
