@@ -35,13 +35,14 @@ from .cache_dir import cache_lock, cache_root
 from .errors import CacheError
 
 EXPORTS = "exports"
-"""The artifacts' folder under the cache root (`optimum.exporters.neuron.export.cached_export`)."""
+"""The artifacts' folder under the cache root (`optimum.exporters.neuron.export.cached_export` builds there)."""
 GRAPHS = "graphs"
-"""The graph entries' folder under the cache root (`graph_cache.GRAPHS_FOLDER`)."""
+"""The graph entries' folder under the cache root (`optimum.exporters.neuron.graph_cache` builds there)."""
 SCRATCH = ("inductor", "kernels")
 """Scratch caches rebuilt on demand: inductor's own cache and the packed CPU kernel's build (``clear --all``)."""
 ENTRY_FILE = "entry.json"
-"""A graph entry's record (`graph_cache.ENTRY_FILE`)."""
+"""A graph entry's record, written last by the exporter (`graph_cache.GraphCache.commit`): a folder without it is no
+entry."""
 CONFIG_FILE = "neuron_config.json"
 """An artifact's `NeuronConfig` (`config.CONFIG_FILE`)."""
 MANIFEST = "graphs/manifest.json"

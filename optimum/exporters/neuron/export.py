@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from ...neuron.artifact import GRAPHS_DIR, WEIGHTS_FILE, graph_file, head_record, sha256_of, write_manifest
 from ...neuron.backends import get_backend
+from ...neuron.cache_admin import EXPORTS
 from ...neuron.cache_dir import cache_lock, cache_root
 from ...neuron.config import CONFIG_FILE, NeuronConfig
 from ...neuron.errors import WeightLoadingError
@@ -73,7 +74,7 @@ def cached_export(model_dir: str | Path, config: NeuronConfig, copy_to: Path | N
     model_dir = Path(model_dir)
     _check_inputs(model_dir, config)
     key = config.cache_key(f"{model_fingerprint(model_dir)}:{code_fingerprint()}")
-    cached = cache_root() / "exports" / key
+    cached = cache_root() / EXPORTS / key
     with cache_lock(cached.with_name(f"{key}.lock")):
         if (cached / CONFIG_FILE).is_file():
             from rich.console import Console
@@ -148,9 +149,7 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, graphs: GraphCache 
 
         def done(spec: GraphSpec, seconds: float) -> None:
             if graphs is not None:
-                entry = {**record, "graph": spec.name, "compile_seconds": round(seconds, 2)}
-                graphs.commit(keys[spec.name], staged[spec.name], entry)
-                assert graphs.take(keys[spec.name], folder), "an entry vanished under its lock"
+                _store(graphs, keys[spec.name], staged[spec.name], {**record, "graph": spec.name}, seconds, folder)
             lines[spec.name].finish(f"compiled in {seconds:.1f}s")
 
         compile_graphs(jobs, load, worker_count(len(jobs), config, model_dir), model_dir, config, done)
@@ -204,9 +203,14 @@ def _take_or_compile(
             return
         with graphs.staging(key) as staging:
             seconds = builder.compile(spec, staging)
-            graphs.commit(key, staging, {**record, "graph": spec.name, "compile_seconds": round(seconds, 2)})
-        assert graphs.take(key, folder), "an entry vanished under its lock"
+            _store(graphs, key, staging, {**record, "graph": spec.name}, seconds, folder)
         line.finish(f"compiled in {seconds:.1f}s")
+
+
+def _store(graphs: GraphCache, key: str, staging: Path, record: dict, seconds: float, folder: Path) -> None:
+    """Make a graph compiled into ``staging`` the cache entry ``key`` (its lock held) and take it into ``folder``."""
+    graphs.commit(key, staging, {**record, "compile_seconds": round(seconds, 2)})
+    assert graphs.take(key, folder), "an entry vanished under its lock"
 
 
 def _entry_record(model_dir: Path, config: NeuronConfig, hf_config: Any) -> dict[str, Any]:

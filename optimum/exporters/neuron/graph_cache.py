@@ -28,15 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from ...neuron.backends.base import Backend
+from ...neuron.cache_admin import ENTRY_FILE, GRAPHS
 from ...neuron.cache_dir import cache_lock, cache_root
 from ...neuron.config import NeuronConfig, runtime_versions
 from ...neuron.graphs import GraphSpec, graph_fields
 from .cache import code_fingerprint
 
-GRAPHS_FOLDER = "graphs"
-"""The per-graph cache's folder under the cache root."""
-ENTRY_FILE = "entry.json"
-"""The record of a cached graph, written last: a folder without it is no entry."""
+GRAPHS_FOLDER = GRAPHS
+"""The per-graph cache's folder under the cache root (named once, in the torch-free `cache_admin`)."""
 _MODEL_VOLATILE = ("_name_or_path", "transformers_version", "_commit_hash", "torch_dtype", "dtype")
 """Keys of a transformers config that never reach a graph (where the checkpoint came from, the dtype it was saved
 in: weights are cast to ``auto_cast_type``)."""
