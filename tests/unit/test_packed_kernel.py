@@ -141,6 +141,13 @@ for rows in (1, 6, 8, 64, 256):
     for n, k in ((100, 600), (49, 1536), (576, 576)):
         w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
         out[(rows, n, k)] = packed.packed_linear(x, packed.pack(w), b, n)
+for bits, pack_q, low in ((8, packed.pack_int8, -127), (4, packed.pack_int4, -8)):
+    for rows in (1, 6, 13):
+        for n, k, group in ((100, 600, 40), (49, 1536, 64), (96, 200, 200)):
+            q = torch.randint(low, -low + 1 if bits == 8 else 8, (n, k), dtype=torch.int8)
+            s = packed.pack_scales(torch.rand(n, k // group) / 64)
+            x, b = torch.randn(rows, k), torch.randn(n)
+            out[(bits, rows, n, k, group)] = packed.packed_qlinear(x, pack_q(q), s, b, n)
 torch.save(out, sys.argv[1])
 """
 
@@ -157,8 +164,9 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.skipif(not {"avx512f", "avx2", "fma"} <= _cpu_flags(), reason="needs a CPU with AVX-512 and AVX2 + FMA")
 def test_avx512_and_avx2_paths_are_bitwise_equal(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The AVX-512 tile (16-float registers, other tile sizes) runs the same fused multiply-adds in the same order as
-    the AVX2 one: every output is bitwise equal, for decode and prefill row counts (each path in its own process:
-    OPTIMUM_NEURON_PACKED_ISA is read once)."""
+    the AVX2 one: every output is bitwise equal, for decode and prefill row counts, fp32 and the int8 / int4 weights
+    of packed_qlinear (their own decoders per path) (each path in its own process: OPTIMUM_NEURON_PACKED_ISA is read
+    once)."""
     import os
     import subprocess
     import sys

@@ -8,9 +8,15 @@ the threads, so equal rows give bitwise equal outputs (DESIGN.md invariant 4). I
 else AVX2 + FMA (bitwise equal results), else portable C++; ``OPTIMUM_NEURON_PACKED_ISA=avx2`` (or ``portable``) picks
 a lesser path, read once per process.
 
-The operator's schema and its shape function are defined here (what ``torch.export`` and AOTInductor need: a compiled
-graph calls the operator by name through the dispatcher); its CPU implementation is a small C++ library compiled on
-first use into the cache (`load`: ~20 s, then a cache hit) and loaded before any graph runs.
+``optimum_neuron::packed_qlinear`` is its weight-only int8 / int4 twin, on the same panels (`pack_int8`, `pack_int4`)
+with fp32 scales per output column and group of K (`pack_scales`): it dequantizes each panel row at load,
+``float(q) * scale`` in fp32 (one rounding), then runs packed_linear's multiply-adds in packed_linear's order, so its
+result is bitwise ``packed_linear(x, pack(q * scales))``: a quarter (int8) or an eighth (int4) of the weight bytes to
+read, the same numbers as the dequantized fp32 weight.
+
+The operators' schemas and their shape functions are defined here (what ``torch.export`` and AOTInductor need: a
+compiled graph calls the operator by name through the dispatcher); their CPU implementation is a small C++ library
+compiled on first use into the cache (`load`: ~20 s, then a cache hit) and loaded before any graph runs.
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ from ..errors import BackendUnavailableError
 PANEL = 16
 """Output columns per panel."""
 OPERATOR = "optimum_neuron::packed_linear"
+QOPERATOR = "optimum_neuron::packed_qlinear"
 SOURCE = Path(__file__).with_name("csrc") / "packed_linear.cpp"
+SOURCES = (SOURCE,)
+"""Every C++ source of the library (both operators): all are compiled together and all enter the build key."""
 _FLAGS = ("-O3", "-fopenmp")
 """``-fopenmp``: ``at::parallel_for`` is inlined from ATen's OpenMP header into the kernel, and without the flag its
 ``#pragma omp parallel`` is ignored: the kernel then ran on one thread whatever torch's thread count."""
@@ -51,6 +60,34 @@ def _output_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ W^T + bias`` for ``weight = pack(W)``: ``x [..., K]`` -> ``[..., out_features]``."""
     return torch.ops.optimum_neuron.packed_linear(x, weight, bias, out_features)
+
+
+torch.library.define(
+    QOPERATOR,
+    "(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int out_features) -> Tensor",
+    tags=(torch.Tag.flexible_layout,),
+)
+"""``weight``: int8 ``[P, K, 16]`` (`pack_int8`) or uint8 int4 pairs ``[P, K, 8]`` (`pack_int4`); ``scales``: float32
+``[groups, P * 16]`` (`pack_scales`), ``groups`` dividing K. ``flexible_layout`` as for packed_linear."""
+
+
+@torch.library.register_fake(QOPERATOR)
+def _qoutput_shape(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def packed_qlinear(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """``x @ W^T + bias`` for a weight-only quantized ``W``: ``x [..., K]`` float32 -> ``[..., out_features]``.
+
+    ``weight`` is ``pack_int8(q)`` (int8) or ``pack_int4(q)`` (int4) of ``q [N, K]``, ``scales`` is
+    ``pack_scales(s)`` of ``s [N, groups]``; ``W[n, k] = float(q[n, k]) * s[n, k // (K // groups)]``, one fp32
+    multiply. The result is bitwise ``packed_linear(x, pack(W), bias, out_features)``. Bad dtypes or shapes (groups
+    not dividing K included) raise RuntimeError."""
+    return torch.ops.optimum_neuron.packed_qlinear(x, weight, scales, bias, out_features)
 
 
 def packed_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int, int]:
@@ -78,13 +115,69 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return packed[ids // PANEL, :, ids % PANEL]
 
 
+def qpacked_shape(shape: torch.Size | tuple[int, ...], bits: int) -> tuple[int, int, int]:
+    """The packed shape of a quantized weight of ``shape = (N, K)``: ``[P, K, 16]`` int8 (``bits=8``) or
+    ``[P, K, 8]`` uint8 (``bits=4``, two weights a byte), ``P = ceil(N / 16)``."""
+    if bits not in (4, 8):
+        raise ValueError(f"quantized weights have 8 or 4 bits, not {bits}")
+    panels, columns, _ = packed_shape(shape)
+    return (panels, columns, PANEL if bits == 8 else PANEL // 2)
+
+
+def _check_quantized(q: torch.Tensor, low: int, high: int) -> None:
+    if q.dtype != torch.int8 or q.dim() != 2:
+        raise ValueError(f"expected an int8 [N, K] weight, got {q.dtype} {tuple(q.shape)}")
+    if q.numel() and (int(q.min()) < low or int(q.max()) > high):
+        raise ValueError(f"quantized values must lie in [{low}, {high}], got [{int(q.min())}, {int(q.max())}]")
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` int8 (values in [-127, 127]) -> ``[ceil(N / 16), K, 16]`` int8, ``P[p, k, j] = q[16 p + j, k]``
+    (zero past N): `pack`'s layout."""
+    _check_quantized(q, -128, 127)
+    return pack(q)
+
+
+def unpack_int8(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """The ``[rows, K]`` int8 weight that `pack_int8` made ``packed`` from."""
+    return unpack(packed, rows)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` int8 with values in [-8, 7] -> ``[ceil(N / 16), K, 8]`` uint8: byte ``j`` of ``(p, k)`` holds
+    ``q[16 p + 2 j, k]`` in its low nibble and ``q[16 p + 2 j + 1, k]`` in its high nibble, each as 4-bit two's
+    complement (zero past N: a zero byte is two zero weights)."""
+    _check_quantized(q, -8, 7)
+    panels = pack(q)
+    nibbles = (panels & 0x0F).to(torch.uint8).view(*panels.shape[:2], PANEL // 2, 2)
+    return nibbles[..., 0] | (nibbles[..., 1] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """The ``[rows, K]`` int8 weight (values in [-8, 7]) that `pack_int4` made ``packed`` (uint8 ``[P, K, 8]``) from."""
+    nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).view(*packed.shape[:2], PANEL).to(torch.int8)
+    return unpack((nibbles ^ 8) - 8, rows)
+
+
+def pack_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Scales ``[N, groups]`` float32 (``scales[n, g]`` for output ``n`` and the g-th group of K) ->
+    ``[groups, ceil(N / 16) * 16]``, zero past N: the layout `packed_qlinear` reads."""
+    if scales.dtype != torch.float32 or scales.dim() != 2:
+        raise ValueError(f"expected float32 scales [N, groups], got {scales.dtype} {tuple(scales.shape)}")
+    rows, groups = scales.shape
+    padded = scales.new_zeros(groups, -(-rows // PANEL) * PANEL)
+    padded[:, :rows] = scales.t()
+    return padded
+
+
 _LOCK = threading.Lock()
 _loaded: list[str] = []
 
 
 def load() -> None:
     """Compile (once, into ``$OPTIMUM_NEURON_CACHE/kernels/<hash>``) and load the CPU implementation of
-    ``packed_linear``; a no-op once loaded. `BackendUnavailableError` when it cannot be built (no C++ compiler)."""
+    ``packed_linear`` and ``packed_qlinear``; a no-op once loaded. `BackendUnavailableError` when it cannot be built
+    (no C++ compiler)."""
     with _LOCK:
         if _loaded:
             return
@@ -97,7 +190,7 @@ def load() -> None:
             try:
                 cpp_extension.load(
                     name=f"optimum_neuron_kernels_{key}",
-                    sources=[str(SOURCE)],
+                    sources=[str(source) for source in SOURCES],
                     build_directory=str(build),
                     extra_cflags=list(_FLAGS),
                     extra_ldflags=list(_LDFLAGS),
@@ -113,6 +206,10 @@ def load() -> None:
 
 
 def _build_key() -> str:
-    """What the compiled library depends on: its source, torch's version and the flags."""
-    payload = SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_FLAGS + _LDFLAGS).encode()
+    """What the compiled library depends on: its sources, torch's version and the flags."""
+    payload = (
+        b"".join(source.read_bytes() for source in SOURCES)
+        + torch.__version__.encode()
+        + " ".join(_FLAGS + _LDFLAGS).encode()
+    )
     return hashlib.sha256(payload).hexdigest()[:16]
