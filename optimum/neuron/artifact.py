@@ -34,7 +34,9 @@ from .models.layers.attention import attention_dims
 from .models.layers.kv_cache import allocate_kv_cache
 from .models.layers.packed import pack_decoder, packed_weights
 from .models.layers.parallel import head_layout, rank_config, shard_weights
+from .models.layers.quantized import quantize_decoder
 from .models.registry import build_decoder, language_config
+from .quantization import SCALE, graph_form, quantized_layers
 from .weights import bind_weights
 
 WEIGHTS_FILE = "model.safetensors"
@@ -208,8 +210,10 @@ def empty_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
 
 
 def graph_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
-    """`empty_decoder` as the graphs compute it: its linear layers packed when ``config.packed_linears``."""
+    """`empty_decoder` as the graphs compute it: its decoder layers' linear layers quantized when
+    ``config.weight_format`` says so, the other linear layers packed when ``config.packed_linears``."""
     decoder = empty_decoder(hf_config, config)
+    quantize_decoder(decoder, config)
     if config.packed_linears:
         pack_decoder(decoder)
     return decoder
@@ -239,16 +243,27 @@ def _check_packed_device(weights: dict[str, torch.Tensor]) -> None:
 def graph_weights(
     hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tensor], rank: int = 0
 ) -> dict[str, torch.Tensor]:
-    """The weight set every graph of rank ``rank`` binds, derived from the stored ``weights`` (the checkpoint's layout):
-    the rank's slice, its linear layers packed when ``config.packed_linears`` (the packed kernel is loaded then). Still
-    one set: each packed tensor replaces its stored one, nothing is kept twice."""
-    weights = rank_weights(hf_config, config, weights, rank)
+    """The weight set every graph of rank ``rank`` binds, derived from the stored ``weights`` (the checkpoint's layout,
+    quantized layers in `quantization`'s stored form): the rank's slice (`quantization.graph_form`), its linear layers
+    packed when ``config.packed_linears`` (the packed kernel is loaded then). Still one set: each packed tensor
+    replaces its stored one, nothing is kept twice."""
+    weights = graph_form(weights, config, lambda full: rank_weights(hf_config, config, full, rank))
     if not config.packed_linears:
         return weights
     _check_packed_device(weights)
     packed_kernel.load()
     names = packed_weights(graph_decoder(hf_config, config))
-    return {name: packed_kernel.pack(tensor) if name in names else tensor for name, tensor in weights.items()}
+    packed = {name: packed_kernel.pack(tensor) if name in names else tensor for name, tensor in weights.items()}
+    for layer in quantized_layers(weights):
+        packed.update(_packed_quantized(layer, weights, config.weight_format))
+    return packed
+
+
+def _packed_quantized(layer: str, weights: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    """A quantized layer's weight and scales in the packed kernel's layout (from `quantization.graph_form`'s)."""
+    q, scale = weights[f"{layer}.weight"], weights[f"{layer}.{SCALE}"]
+    panels = packed_kernel.pack_int8(q) if fmt == "int8" else packed_kernel.pack_int4(q)
+    return {f"{layer}.weight": panels, f"{layer}.{SCALE}": packed_kernel.pack_scales(scale)}
 
 
 def assemble(hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tensor]) -> StaticDecoder:

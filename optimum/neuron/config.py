@@ -25,8 +25,10 @@ CONFIG_FILE = "neuron_config.json"
 AUTO_FIRST_WINDOW = 256
 """The smallest KV window of ``kv_buckets="auto"`` (unless the chunk is larger)."""
 LINEAR_KERNELS = ("auto", "packed", "aten")
+WEIGHT_FORMATS = ("float", "int8", "int4")
 CHOICES: dict[str, tuple[str, ...]] = {
     "auto_cast_type": tuple(DTYPES),
+    "weight_format": WEIGHT_FORMATS,
     "backend": BACKENDS,
     "device": DEVICES,
     "linear_kernel": LINEAR_KERNELS,
@@ -98,6 +100,15 @@ class NeuronConfig:
     does; fp32, eager and inductor backends on the CPU); ``aten``, torch's default linear on the checkpoint's layout
     (for comparison, and every other dtype, backend and device); ``auto``, ``packed`` where it applies, else ``aten``.
     The artifact stores the checkpoint's layout either way (docs/architecture.md, "Linear layers on the CPU")."""
+    weight_format: str = "float"
+    """Weights of the decoder layers' linear projections: ``float`` (``auto_cast_type``), ``int8`` (per output channel,
+    symmetric) or ``int4`` (per group of ``weight_group_size`` input columns, symmetric), quantized at export and stored
+    quantized; activations, the KV cache, embeddings, the LM head, norms, MoE routers and experts stay in
+    ``auto_cast_type``. On the CPU in fp32 the packed kernel reads the quantized bytes; elsewhere the graph dequantizes
+    (docs/export.md, "Quantized weights")."""
+    weight_group_size: int = 0
+    """int4 only: input columns per scale; 0 picks the largest of 128, 64, 32 that divides every quantized layer's
+    input size (the export records the size it used)."""
     backend: str = "inductor"
     """Compile backend: ``inductor`` (AOTInductor packages), ``eager`` (reference), ``xla`` (HLO modules, needs
     .venv-xla), ``neuron`` (NOT AVAILABLE in this release: it needs the AWS Neuron SDK, torch-neuronx, and refuses
@@ -115,6 +126,7 @@ class NeuronConfig:
             _check_chunk,
             _check_dtype_and_backend,
             _check_linear_kernel,
+            _check_weight_format,
             _check_sampling,
             _check_buckets,
             _check_images,
@@ -315,6 +327,25 @@ def _check_linear_kernel(config: NeuronConfig) -> None:
             f"linear_kernel='packed' runs fp32 graphs on the CPU with the eager or inductor backend, not "
             f"{config.auto_cast_type} on {config.device} with {config.backend}: pass {flag('linear_kernel')} auto (or "
             "aten), or export fp32 for the CPU."
+        )
+
+
+def _check_weight_format(config: NeuronConfig) -> None:
+    group = config.weight_group_size
+    if not isinstance(group, int) or isinstance(group, bool) or group < 0:
+        raise IncompatibleConfigError(
+            f"weight_group_size must be a non-negative integer, got {group!r}: pass {flag('weight_group_size')} G "
+            "(0: the largest of 128, 64, 32 that fits)."
+        )
+    if group and config.weight_format != "int4":
+        raise IncompatibleConfigError(
+            f"weight_group_size={group} applies to {flag('weight_format')} int4 only (int8 has one scale per output "
+            f"channel): drop {flag('weight_group_size')} or pass {flag('weight_format')} int4."
+        )
+    if group % 2:
+        raise IncompatibleConfigError(
+            f"weight_group_size={group} must be even (two int4 values share a byte): pass {flag('weight_group_size')} "
+            "32, 64 or 128."
         )
 
 

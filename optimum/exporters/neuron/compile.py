@@ -31,7 +31,9 @@ from ...neuron.config import NeuronConfig
 from ...neuron.errors import ExportError, UnsupportedModelError
 from ...neuron.graphs import GraphSpec, example_inputs, graph_args, image_row_inputs, window_dims
 from ...neuron.models.base import StaticDecoder, graph_module
+from ...neuron.models.layers.quantized import quantized_modules
 from ...neuron.models.registry import language_config, served_config, supported_model_types
+from ...neuron.quantization import fit_weight_format, stored_form
 from ...neuron.weights import constants_of, map_state_dict, read_checkpoint
 
 WORKERS_ENV = "OPTIMUM_NEURON_COMPILE_WORKERS"
@@ -71,9 +73,11 @@ def load_decoder(
     ``config.device``; the xla backend passes its XLA device, see `Backend.placement`). The weights are the full
     set (what the artifact stores); at ``tp_degree > 1`` the decoder is rank 0's, bound to its slice of them (every
     rank runs the same graph)."""
+    config = fit_weight_format(config, hf_config)
     layout = empty_decoder(hf_config, config.derive(tp_degree=1))
     params = map_state_dict(layout, read_checkpoint(model_dir), config.torch_dtype)
-    weights = {k: v.to(device or config.device) for k, v in constants_of(layout, params).items()}
+    stored = stored_form(constants_of(layout, params), quantized_modules(layout), config)
+    weights = {k: v.to(device or config.device) for k, v in stored.items()}
     return assemble(hf_config, config, graph_weights(hf_config, config, weights)), weights
 
 

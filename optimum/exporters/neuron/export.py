@@ -26,6 +26,7 @@ from ...neuron.graphs import GraphSpec, graph_fields, graph_specs
 from ...neuron.models.image_text import fit_images
 from ...neuron.models.registry import image_text_family
 from ...neuron.progress import Line, StepProgress
+from ...neuron.quantization import fit_weight_format
 from .cache import code_fingerprint
 from .compile import GraphBuilder, compile_graphs, hf_config_of, worker_count
 from .graph_cache import GraphCache, graph_key
@@ -128,7 +129,7 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, graphs: GraphCache 
     there; with no cache (``--no_cache``), compiled straight into ``out``."""
     backend = get_backend(config.backend)
     hf_config = hf_config_of(model_dir)
-    config = fit_images(config, image_text_family(hf_config), hf_config, model_dir)
+    config = fit_weight_format(fit_images(config, image_text_family(hf_config), hf_config, model_dir), hf_config)
     specs = graph_specs(config)
     keys = {spec.name: graph_key(spec, config, hf_config, backend) for spec in specs}
     folder = out / GRAPHS_DIR

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import IncompatibleConfigError
+from ...quantization import SCALE
 from .attention import attention_dims
 from .moe import Experts
 
@@ -221,6 +222,11 @@ def _qkv_rows(tensor: torch.Tensor, layout: HeadLayout, rank: int) -> torch.Tens
     )
 
 
+_COLUMN_KINDS = ("weight", SCALE)
+"""The tensors of a row-parallel projection that have its input columns: its weight, and a quantized weight's scales
+spread over the columns (`quantization.graph_form`); its bias is replicated."""
+
+
 def _shard(name: str, tensor: torch.Tensor, layout: HeadLayout, rank: int) -> torch.Tensor | None:
     """Rank ``rank``'s part of the tensor called ``name`` (contiguous), or None for a replicated tensor."""
     module, _, kind = name.rpartition(".")
@@ -231,13 +237,13 @@ def _shard(name: str, tensor: torch.Tensor, layout: HeadLayout, rank: int) -> to
         return _blocks(layout.pad_q(tensor, 0), 0, degree, rank)
     if module.endswith(KV_PARALLEL):
         return layout.pad_kv(tensor, 0)[layout.kv_rows(rank)]
-    if module.endswith("self_attn.o_proj") and kind == "weight":
+    if module.endswith("self_attn.o_proj") and kind in _COLUMN_KINDS:
         return _blocks(layout.pad_q(tensor, 1), 1, degree, rank)
     if module.endswith(COLUMN_PARALLEL):
         return _blocks(tensor, 0, degree, rank)
     if module.endswith("mlp.gate_up_proj"):
         return _blocks(tensor, 0, degree, rank, parts=2)
-    if module.endswith("mlp.down_proj") and kind == "weight":
+    if module.endswith("mlp.down_proj") and kind in _COLUMN_KINDS:
         return _blocks(tensor, 1, degree, rank)
     if module.endswith("mlp.experts"):
         return _blocks(tensor, 1, degree, rank, parts=2) if kind == "gate_up_proj" else _blocks(tensor, 2, degree, rank)

@@ -1,0 +1,119 @@
+"""The decoder's quantized linear layers (``--weight_format int8 | int4``, `quantization`): twins of ``nn.Linear``
+and `RowParallelLinear` holding int8 values and float32 scales, and `quantize_decoder`, which swaps them in.
+
+Two forms of each twin, chosen with the packed kernel (`NeuronConfig.packed_linears`):
+
+* **packed** (fp32 on the CPU): the weight in the packed kernel's quantized panels (``[P, K, 16]`` int8, or
+  ``[P, K, 8]`` uint8 two int4 values per byte) and its scales ``[groups, P * 16]``; ``optimum_neuron::packed_qlinear``
+  reads the quantized bytes and dequantizes each panel row in registers, so a decode step streams a quarter (int8)
+  or an eighth (int4) of the fp32 bytes;
+* **dequantizing** (every other backend, dtype and device; the form NxD's quantized layers compile): int8 values
+  ``[N, K]`` and scales ``[N, groups]``, dequantized in the graph (``q * scale``) before torch's linear.
+
+A twin keeps its module's name and parameter names (``weight``, ``bias``) and adds ``weight_scale``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...config import NeuronConfig
+from ...kernels.packed import packed_qlinear, qpacked_shape
+from ...quantization import SCALE, group_size, quantizable
+from .parallel import RowParallelLinear
+
+
+def dequantized(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight [N, K]`` int8 times its scales ``[N, groups]`` (each over its group of columns), in ``dtype``."""
+    rows, columns = weight.shape
+    groups = scale.shape[1]
+    grouped = weight.to(torch.float32).reshape(rows, groups, columns // groups) * scale[..., None]
+    return grouped.reshape(rows, columns).to(dtype)
+
+
+class QuantizedLinear(nn.Linear):
+    """``nn.Linear`` whose weight is int8 ``[N, K]`` with scales ``[N, groups]``, dequantized in the graph."""
+
+    weight_scale: nn.Parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantized(self.weight, self.weight_scale, x.dtype), self.bias)
+
+
+class QuantizedRowParallelLinear(RowParallelLinear):
+    """`RowParallelLinear` with `QuantizedLinear`'s weight: its rank's slice of the input features."""
+
+    weight_scale: nn.Parameter
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantized(self.weight, self.weight_scale, x.dtype))
+
+
+class PackedQuantizedLinear(nn.Linear):
+    """``nn.Linear`` on the packed kernel's quantized panels (`kernels.packed.packed_qlinear`)."""
+
+    weight_scale: nn.Parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_qlinear(x, self.weight, self.weight_scale, self.bias, self.out_features)
+
+
+class PackedQuantizedRowParallelLinear(RowParallelLinear):
+    """`RowParallelLinear` on the packed kernel's quantized panels: its rank's slice of the input features."""
+
+    weight_scale: nn.Parameter
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_qlinear(x, self.weight, self.weight_scale, None, self.out_features)
+
+
+TWINS: dict[tuple[type[nn.Module], bool], type[nn.Module]] = {
+    (nn.Linear, False): QuantizedLinear,
+    (RowParallelLinear, False): QuantizedRowParallelLinear,
+    (nn.Linear, True): PackedQuantizedLinear,
+    (RowParallelLinear, True): PackedQuantizedRowParallelLinear,
+}
+"""``(module type, packed)`` -> its quantized twin."""
+
+
+def quantized_inputs(decoder: nn.Module) -> list[int]:
+    """The input sizes of ``decoder``'s quantized linear layers (what the int4 group size must divide)."""
+    return [_linear(decoder, name).in_features for name in quantized_modules(decoder)]
+
+
+def quantized_modules(decoder: nn.Module) -> list[str]:
+    """The linear layers of ``decoder`` that ``--weight_format`` quantizes (`quantization.quantizable`)."""
+    kinds = (nn.Linear, RowParallelLinear)
+    return [name for name, module in decoder.named_modules() if type(module) in kinds and quantizable(name)]
+
+
+def quantize_decoder(decoder: nn.Module, config: NeuronConfig) -> None:
+    """Turn, in place, every quantizable linear layer of ``decoder`` into its quantized twin (packed when
+    ``config.packed_linears``): the same module (name, bias, device), its weight an empty int8 (uint8) tensor of the
+    twin's shape and its ``weight_scale`` an empty float32 one. A no-op for ``weight_format == "float"``."""
+    if config.weight_format == "float":
+        return
+    modules = [_linear(decoder, name) for name in quantized_modules(decoder)]
+    group = group_size(config, quantized_inputs(decoder))
+    for module in modules:
+        device, rows, columns = module.weight.device, module.out_features, module.in_features
+        groups = 1 if config.weight_format == "int8" else columns // group
+        module.__class__ = TWINS[(type(module), config.packed_linears)]  # type: ignore[assignment]
+        shape: tuple[int, ...]
+        if config.packed_linears:
+            bits = 8 if config.weight_format == "int8" else 4
+            shape, dtype = qpacked_shape((rows, columns), bits), torch.int8 if bits == 8 else torch.uint8
+            scale_shape: tuple[int, ...] = (groups, shape[0] * 16)
+        else:
+            shape, dtype, scale_shape = (rows, columns), torch.int8, (rows, groups)
+        module.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+        scale = torch.empty(scale_shape, device=device, dtype=torch.float32)
+        module.register_parameter(SCALE, nn.Parameter(scale, requires_grad=False))
+
+
+def _linear(decoder: nn.Module, name: str) -> nn.Linear:
+    module = decoder.get_submodule(name)
+    assert isinstance(module, nn.Linear), f"{name} is not a linear layer"
+    return module

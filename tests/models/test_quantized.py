@@ -1,0 +1,147 @@
+"""Weight-only quantization (``--weight_format int8 | int4``, `optimum.neuron.quantization`): a quantized artifact
+computes what transformers computes with the same weights dequantized (``q * scale``): last-token logits and greedy
+tokens of mixed-length prompts, chunked and context encoding, on the packed kernel and dequantized in the graph, eager
+and inductor, a fused-projection family and a mixture of experts, and two tensor-parallel ranks; the artifact stores
+the quantized bytes and records the format; the padded-chunk rule stays bitwise; bad flags are refused naming them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from optimum.neuron.artifact import WEIGHTS_FILE, Artifact
+from optimum.neuron.config import NeuronConfig
+from optimum.neuron.errors import IncompatibleConfigError
+from optimum.neuron.quantization import dequantize, pack_nibbles, quantize, unpack_nibbles
+from optimum.neuron.runtime.engine import Engine
+from tests.contract.engine_tools import alone, prefill_logits, prompt
+from tests.fixtures.llm.models import QUANTIZED_FIXTURES, export_fixture, fixture_named
+from tests.fixtures.llm.reference import dequantized_checkpoint, hf_greedy, reference_model
+from tests.models.ranks import run_on_ranks
+
+SINGLE = [f.name for f in QUANTIZED_FIXTURES if f.tp == 1]
+RANKED = [f.name for f in QUANTIZED_FIXTURES if f.tp > 1]
+LENGTHS = (1, 7, 9, 17)
+"""Prompt lengths: within one chunk, a chunk and a row, two chunks and a row (C = 8)."""
+NEW = 6
+LOGIT_TOLERANCE = 1e-4
+"""Max abs difference from transformers on the dequantized weights. Measured: at most 1.0e-5 (the kernels multiply by
+exactly ``q * scale``; only the order of the sums differs); the same model in float is 0.1 to 4 away."""
+
+
+def reference_for(engine: Engine, name: str) -> Path:
+    """The transformers checkpoint of fixture ``name`` with the artifact's quantized weights dequantized."""
+    config = engine.config
+    return dequantized_checkpoint(fixture_named(name).model(), config.weight_format, config.weight_group_size)
+
+
+@pytest.mark.parametrize("name", SINGLE)
+def test_quantized_artifact_equals_transformers_on_the_dequantized_weights(name: str) -> None:
+    engine = Engine(Artifact.open(export_fixture(name)))
+    reference = reference_for(engine, name)
+    for length in LENGTHS:
+        ids = prompt(length, length)
+        with torch.no_grad():
+            want = reference_model(reference)(torch.tensor([ids])).logits[0, -1]
+        got = prefill_logits(engine, ids)
+        assert (got - want).abs().max().item() < LOGIT_TOLERANCE, (name, length)
+        assert alone(engine, ids, NEW) == hf_greedy(reference, ids, NEW), (name, length)
+
+
+def _rank_greedy(name: str) -> dict[int, list[int]]:
+    """On one rank: greedy tokens of `LENGTHS`, and the padded-chunk writes checked bitwise on the rank's heads."""
+    from optimum.neuron.modeling import NeuronModelForCausalLM
+    from tests.contract import kv_inspection
+
+    model = NeuronModelForCausalLM.from_pretrained(export_fixture(name))
+    tokens = {}
+    for length in LENGTHS:
+        ids = torch.tensor([prompt(length, length)])
+        tokens[length] = model.generate(ids, max_new_tokens=NEW, eos_token_id=[])[0, length:].tolist()
+    kv_inspection.check_padded_chunk_writes_on(model.engine)
+    return tokens
+
+
+def _ranks_greedy(names: list[str]) -> dict[str, dict[int, list[int]]]:
+    return {name: _rank_greedy(name) for name in names}
+
+
+@pytest.mark.slow
+def test_two_ranks_slice_scales_with_their_rows_and_columns(tmp_path: Path) -> None:
+    """int8 with padded heads (zero columns inside o_proj's spread scales) and int4 with groups split over the ranks:
+    both ranks return transformers' greedy tokens on the dequantized weights."""
+    for name in RANKED:
+        export_fixture(name)
+    ranks = run_on_ranks(2, _ranks_greedy, RANKED, tmp=tmp_path)
+    assert ranks[0] == ranks[1], "the ranks returned different tokens"
+    for name in RANKED:
+        config = Artifact.open(export_fixture(name)).config
+        reference = dequantized_checkpoint(fixture_named(name).model(), config.weight_format, config.weight_group_size)
+        for length, tokens in ranks[0][name].items():
+            assert tokens == hf_greedy(reference, prompt(length, length), NEW), (name, length)
+
+
+def test_padded_chunk_writes_stay_bitwise_on_a_quantized_artifact() -> None:
+    from tests.contract import kv_inspection
+
+    engine = Engine(Artifact.open(export_fixture("llama-2x4x8-int4-eager")))
+    kv_inspection.check_padded_chunk_writes_on(engine)
+
+
+STORED = [("llama-2x4x8-int8-eager", torch.int8, 64), ("llama-2x4x8-int4-eager", torch.uint8, 32)]
+"""A quantized fixture, the stored dtype of its quantized weights and the stored columns of a ``[*, 64]`` layer."""
+
+
+@pytest.mark.parametrize(("name", "dtype", "columns"), STORED)
+def test_artifact_stores_quantized_bytes_and_records_the_format(name: str, dtype: torch.dtype, columns: int) -> None:
+    root = export_fixture(name)
+    stored = load_file(str(root / WEIGHTS_FILE))
+    config = Artifact.open(root).config
+    q, scale = stored["model.layers.0.self_attn.q_proj.weight"], stored["model.layers.0.self_attn.q_proj.weight_scale"]
+    assert (q.dtype, q.shape[1], scale.dtype) == (dtype, columns, torch.float32)
+    assert scale.shape == (q.shape[0], 1 if config.weight_format == "int8" else 64 // config.weight_group_size)
+    float_names = ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight")
+    assert all(stored[n].dtype == torch.float32 for n in float_names), "only the layers' linear weights are quantized"
+    assert config.weight_format == fixture_named(name).weights
+    assert (config.weight_group_size > 0) == (dtype == torch.uint8), "int4 records the group size it used"
+
+
+def test_the_scheme_is_the_documented_one() -> None:
+    """int8: ``scale = max|row| / 127``; int4: ``scale = max|group| / 7``; ``q = round(w / scale)`` (half to even);
+    a zero row gives zero scale and zero values; int4 values survive the two-per-byte storage."""
+    torch.manual_seed(0)
+    w = torch.randn(5, 64)
+    w[3] = 0
+    q, scale = quantize(w, "int8", 64)
+    assert torch.equal(scale[:, 0], w.abs().amax(dim=1) / 127)
+    assert torch.equal(q[[0, 1, 2, 4]].float(), torch.round(w[[0, 1, 2, 4]] / scale[[0, 1, 2, 4]]))
+    assert not q[3].any() and scale[3].item() == 0
+    q4, scale4 = quantize(w, "int4", 32)
+    assert scale4.shape == (5, 2) and int(q4.abs().max()) == 7
+    assert torch.equal(scale4[0, 1], w[0, 32:].abs().max() / 7)
+    assert torch.equal(unpack_nibbles(pack_nibbles(q4)), q4)
+    assert (dequantize(q4, scale4) - w).abs().max() <= scale4.max() / 2 + 1e-6
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"weight_format": "int3"}, "--weight_format"),
+        ({"weight_format": "int8", "weight_group_size": 64}, "--weight_group_size"),
+        ({"weight_format": "int4", "weight_group_size": 33}, "--weight_group_size"),
+    ],
+)
+def test_bad_weight_flags_are_refused_naming_the_flag(fields: dict, message: str) -> None:
+    with pytest.raises(IncompatibleConfigError, match=message):
+        NeuronConfig(**fields)
+
+
+def test_a_group_size_that_does_not_divide_is_refused_at_export(tmp_path: Path) -> None:
+    from optimum.exporters.neuron.export import export
+
+    config = fixture_named("llama-2x4x8-int4-eager").neuron_config().derive(weight_group_size=48)
+    with pytest.raises(IncompatibleConfigError, match=r"weight_group_size=48 does not divide.*--weight_group_size"):
+        export(fixture_named("llama-2x4x8-int4-eager").model(), tmp_path / "out", config)
