@@ -155,20 +155,20 @@ class Artifact:
 
     def load_weights(self, hf_config: Any, device: str | torch.device, rank: int = 0) -> dict[str, torch.Tensor]:
         """The weight set the graphs bind (`graph_weights` of the model ``hf_config``, this artifact's `hf_config`:
-        rank ``rank``'s slice, packed when the artifact packs its linear layers), on ``device``; the stored set is
-        checked against the signature the graphs were compiled with first."""
+        rank ``rank``'s slice, packed when the artifact packs its linear layers, derived on the CPU), on ``device``; the
+        stored set is checked against the signature the graphs were compiled with first."""
         path = self.root / WEIGHTS_FILE
         try:
             weights = load_file(str(path))
         except Exception as err:  # safetensors raises its own error types on a bad file
             raise ArtifactError(f"cannot read weights {path} ({err}); re-export the model.") from err
-        weights = {name: tensor.to(device) for name, tensor in weights.items()}
         if weight_signature(weights) != self.manifest.get("weights"):
             raise ArtifactError(
                 f"{path} does not match the weights the graphs were compiled with (names, shapes or dtypes "
                 "differ); re-export the model."
             )
-        return graph_weights(hf_config, self.config, weights, rank)
+        graph = graph_weights(hf_config, self.config, weights, rank)  # on the CPU: no XLA graph of its own
+        return {name: tensor.to(device) for name, tensor in graph.items()}
 
 
 def _check_manifest(root: Path, manifest: Any, expected: list[str]) -> None:

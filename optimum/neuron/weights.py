@@ -70,7 +70,10 @@ def map_state_dict(module: nn.Module, hf_state: dict[str, torch.Tensor], dtype: 
                 "model built from config.json; the checkpoint does not match its config."
             )
         if not tensor.is_floating_point():
-            raise WeightLoadingError(f"{name!r} has dtype {tensor.dtype}; quantized checkpoints are not supported.")
+            raise WeightLoadingError(
+                f"{name!r} has dtype {tensor.dtype}: pre-quantized checkpoints are not read yet; export the float "
+                "checkpoint with --weight_format int8 or int4 (the export quantizes it)."
+            )
         mapped[name] = tensor.to(dtype).contiguous()
     return mapped
 

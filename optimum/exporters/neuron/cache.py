@@ -27,6 +27,7 @@ GRAPH_SOURCES = (
     "neuron/weights.py",
     "neuron/config.py",
     "neuron/artifact.py",
+    "neuron/quantization.py",
     "exporters/neuron",
 )
 """What `code_fingerprint` hashes, relative to `PACKAGE_ROOT`: folders (their ``*.py``) and files."""

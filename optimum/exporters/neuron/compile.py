@@ -70,15 +70,17 @@ def load_decoder(
     hf_config: Any, model_dir: Path, config: NeuronConfig, device: str | torch.device | None = None
 ) -> tuple[StaticDecoder, dict]:
     """The static decoder of ``model_dir`` with its strictly mapped weights, on ``device`` (default
-    ``config.device``; the xla backend passes its XLA device, see `Backend.placement`). The weights are the full
-    set (what the artifact stores); at ``tp_degree > 1`` the decoder is rank 0's, bound to its slice of them (every
-    rank runs the same graph)."""
+    ``config.device``; the xla backend passes its XLA device, see `Backend.placement`), and the full weight set the
+    artifact stores (on the CPU). The graphs' form of the weights (`graph_weights`: a rank's slice, quantized
+    layers unpacked, packed panels) is derived on the CPU, then placed on ``device``: on an XLA device the
+    derivation would be traced and compiled as one more graph. At ``tp_degree > 1`` the decoder is rank 0's, bound
+    to its slice (every rank runs the same graph)."""
     config = fit_weight_format(config, hf_config)
     layout = empty_decoder(hf_config, config.derive(tp_degree=1))
     params = map_state_dict(layout, read_checkpoint(model_dir), config.torch_dtype)
     stored = stored_form(constants_of(layout, params), quantized_modules(layout), config)
-    weights = {k: v.to(device or config.device) for k, v in stored.items()}
-    return assemble(hf_config, config, graph_weights(hf_config, config, weights)), weights
+    graph = {k: v.to(device or config.device) for k, v in graph_weights(hf_config, config, stored).items()}
+    return assemble(hf_config, config, graph), stored
 
 
 @dataclass
