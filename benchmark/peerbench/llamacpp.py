@@ -1,6 +1,7 @@
-"""llama.cpp's own benchmark tool on the F32 GGUF: ``llama-bench -t 2 -p 256,1024 -n 128``, one fresh process per
-round. Its prompt-processing tests (pp256, pp1024) are prefills of that many tokens from an empty context (no
-sampling); its token-generation test (tg128) decodes 128 tokens one at a time from an empty context."""
+"""llama.cpp's own benchmark tool on the run's GGUF (F32, or the Q8_0 / Q4_0 that ``llama-quantize`` made of it):
+``llama-bench -t 2 -p 256,1024 -n 128``, one fresh process per round. Its prompt-processing tests (pp256, pp1024) are
+prefills of that many tokens from an empty context (no sampling); its token-generation test (tg128) decodes 128 tokens
+one at a time from an empty context."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from benchmark.peerbench.layout import Layout, PeerMissingError
+from benchmark.peerbench.layout import Layout
 
 THREADS = 2
 
@@ -55,7 +56,7 @@ def run(layout: Layout, prompt_lengths: list[int], new_tokens: int, repetitions:
     """One round: ``llama-bench`` in a fresh process; its parsed figures."""
     for path in (layout.llama_bench, layout.gguf):
         if not Path(path).is_file():
-            raise PeerMissingError(f"llama.cpp ({path})")
+            raise layout.missing(f"llama.cpp ({path})")
     done = subprocess.run(command(layout, prompt_lengths, new_tokens, repetitions), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"llama-bench failed (exit {done.returncode}): {done.stderr[-2000:]}")

@@ -141,12 +141,71 @@ def versions(spec: dict[str, Any]) -> dict[str, Any]:
     return {name: metadata.version(name) for name in names}
 
 
+PLUGIN_PROPERTIES = ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE")
+"""What the report says of the CPU plugin's numerics: the precisions we set, and the group size of the dynamic
+quantization of activations that the plugin may apply to layers with compressed weights (0 = off; left at its
+default)."""
+
+
+def forward(compiled: Any, steps: list[tuple[int, int]]) -> list[float]:
+    """Run the IR's stateful model on a fresh sequence, ``(start, tokens)`` at a time (a prompt, then decode steps):
+    each call's milliseconds."""
+    import numpy
+
+    request, names = compiled.create_infer_request(), {i.get_any_name() for i in compiled.inputs}
+    times = []
+    for start, count in steps:
+        feed = {
+            "input_ids": numpy.arange(100 + start, 100 + start + count, dtype=numpy.int64)[None],
+            "attention_mask": numpy.ones((1, start + count), dtype=numpy.int64),
+            "position_ids": numpy.arange(start, start + count, dtype=numpy.int64)[None],
+            "beam_idx": numpy.zeros(1, dtype=numpy.int32),
+        }
+        begin = time.perf_counter()
+        request.infer({k: v for k, v in feed.items() if k in names})
+        times.append(1000 * (time.perf_counter() - begin))
+    return times
+
+
+def plugin(spec: dict[str, Any]) -> dict[str, Any]:
+    """What the CPU plugin does with the IR compiled with the pipelines' `properties`: its `PLUGIN_PROPERTIES`; the
+    kernels its matrix products ran (``{"layer type, kernel, weight precision": count}`` from the runtime model; the
+    kernel's name does not tell the activations' precision); and, to tell whether its dynamic quantization of
+    activations is in effect, a 256-token forward of the IR (no pipeline: logits for every position) and a decode
+    step, in ms (best of 2 sequences), with its default and with ``DYNAMIC_QUANTIZATION_GROUP_SIZE=0`` (off)."""
+    import openvino
+
+    core, xml = openvino.Core(), f"{spec['ir']}/openvino_model.xml"
+    compiled = core.compile_model(xml, "CPU", properties(spec))
+    values = {name: compiled.get_property(name) for name in PLUGIN_PROPERTIES}
+    out: dict[str, Any] = {
+        name: str(v.get_type_name() if hasattr(v, "get_type_name") else v) for name, v in values.items()
+    }
+    steps = [(0, 256), (256, 1), (257, 1), (258, 1), (259, 1)]
+    runs = [forward(compiled, steps) for _ in range(2)]
+    kernels: dict[str, int] = {}
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        if "layerType" in info and info["layerType"].astype(str) in ("FullyConnected", "MatMul"):
+            fields = (info[key].astype(str) for key in ("layerType", "primitiveType", "runtimePrecision"))
+            key = ", ".join(fields)
+            kernels[key] = kernels.get(key, 0) + 1
+    off = core.compile_model(xml, "CPU", properties(spec) | {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 0})
+    runs_off = [forward(off, steps) for _ in range(2)]
+
+    def best(times: list[list[float]]) -> dict[str, float]:
+        return {"forward_256_ms": min(t[0] for t in times), "decode_ms": min(statistics.mean(t[1:]) for t in times)}
+
+    return out | {"kernels": kernels, "default": best(runs), "dynamic_quantization_off": best(runs_off)}
+
+
 MEASUREMENTS = {
     "decode": decode,
     "decode_batch": decode_batch,
     "prefill": prefill,
     "workload": workload,
     "versions": versions,
+    "plugin": plugin,
 }
 
 

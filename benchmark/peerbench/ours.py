@@ -92,9 +92,10 @@ def vllm(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=spec["artifact"], seed=0)
-    llm.generate([{"prompt_token_ids": spec["warmup"]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    warmup: list[Any] = [{"prompt_token_ids": spec["warmup"]}]
+    llm.generate(warmup, SamplingParams(max_tokens=4), use_tqdm=False)
     params = SamplingParams(max_tokens=spec["new_tokens"], temperature=0.0, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    requests: list[Any] = [{"prompt_token_ids": p} for p in spec["prompts"]]
     start = time.perf_counter()
     outputs = llm.generate(requests, params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -103,8 +104,8 @@ def vllm(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def export(spec: dict[str, Any]) -> dict[str, Any]:
-    """Our fp32 inductor artifact of ``batch`` rows (and ``linear_kernel``) through the export cache (compiled on
-    first use)."""
+    """Our fp32 inductor artifact of ``batch`` rows (and ``linear_kernel``, ``weight_format``,
+    ``weight_group_size``) through the export cache (compiled on first use)."""
     from optimum.exporters.neuron.export import cached_export
     from optimum.neuron.config import NeuronConfig
 
@@ -115,6 +116,8 @@ def export(spec: dict[str, Any]) -> dict[str, Any]:
         auto_cast_type="fp32",
         backend="inductor",
         linear_kernel=spec.get("linear_kernel", "auto"),
+        weight_format=spec.get("weight_format", "float"),
+        weight_group_size=spec.get("weight_group_size", 0),
     )
     return {"artifact": str(cached_export(spec["model"], config))}
 

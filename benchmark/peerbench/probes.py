@@ -62,8 +62,10 @@ def model_shape(model_dir: str | Path) -> dict[str, int]:
     tied = config.get("tie_word_embeddings", False)
     return {
         "linear_params": layers * (attn + 3 * hidden * inter),
+        "linear_rows": layers * (head_dim * (heads + 2 * kv_heads) + hidden + 2 * inter + hidden),
         "params": layers * per_layer + hidden + embed * (1 if tied else 2),
         "lm_head_params": embed,
+        "tied": int(tied),
         "layers": layers,
         "q_width": heads * head_dim,
     }

@@ -1,5 +1,6 @@
-"""The peers report: ``peers.md`` (table, ratios, floors, notes), ``peers.json`` (everything recorded) and
-``peers.png``, rendered from the run's recorded JSON alone."""
+"""The peers report: ``peers.md`` (table, ratios, formats, floors, notes), ``peers.json`` (everything recorded) and
+``peers.png``, rendered from the run's recorded JSON alone; ``peers-int8.*`` and ``peers-int4.*`` for those
+``--weight-format`` runs (`stem`)."""
 
 from __future__ import annotations
 
@@ -8,25 +9,30 @@ from pathlib import Path
 from typing import Any
 
 from benchmark.peerbench.figures import (
-    COLUMN_LABELS,
     COLUMNS,
+    LLAMA,
+    OPENVINO,
+    OURS,
     cell,
+    decode_bytes,
     floors,
     goal_ratio,
     goals,
+    labels,
     machine_limits,
     median,
     met,
     rows,
+    weight_format,
 )
 from benchmark.peerbench.figures import samples as cell_samples
 
 
 def table(run: dict[str, Any]) -> list[str]:
     """The figures: one row per measurement, one column per system, ``median (min–max)`` over the rounds."""
-    used = COLUMNS  # a system that did not run shows "—": the reader sees what is missing
+    used, names = COLUMNS, labels(run)  # a system that did not run shows "—": the reader sees what is missing
     lines = [
-        "| | " + " | ".join(COLUMN_LABELS[c] for c in used) + " | floor |",
+        "| | " + " | ".join(names[c] for c in used) + " | floor |",
         "|---|" + "---|" * (len(used) + 1),
     ]
     bounds = floors(run)
@@ -39,10 +45,10 @@ def table(run: dict[str, Any]) -> list[str]:
 
 def goal_lines(run: dict[str, Any]) -> list[str]:
     """Each goal's ratio of medians within the run, its bound and whether it is met."""
-    lines = ["| goal | ratio | bound | |", "|---|---|---|---|"]
+    lines, names = ["| goal | ratio | bound | |", "|---|---|---|---|"], labels(run)
     for goal in goals(run):
         ratio, against = goal_ratio(run, goal)
-        shown = "—" if ratio is None else f"{ratio:.2f}x" + (f" (vs {COLUMN_LABELS[against]})" if against else "")
+        shown = "—" if ratio is None else f"{ratio:.2f}x" + (f" (vs {names[against]})" if against else "")
         bound = f"{'<=' if goal.at_most else '>='} {goal.bound:.1f}x"
         lines.append(f"| {goal.label} | {shown} | {bound} | {met(goal, ratio)} |")
     return lines
@@ -50,12 +56,22 @@ def goal_lines(run: dict[str, Any]) -> list[str]:
 
 def floor_lines(run: dict[str, Any]) -> list[str]:
     """What remains between each figure and its floor: weight bytes / read bandwidth and FLOPs / peak."""
-    bounds, machine = floors(run), machine_limits(run)
+    bounds, machine, names = floors(run), machine_limits(run), labels(run)
+    quantized = weight_format(run) != "fp32"
+    int_note = (
+        " (fp32 FLOPs: ours dequantizes in registers and multiplies in fp32; llama.cpp's Q8_0 / Q4_0 dot products "
+        "and OpenVINO's dynamically quantized activations (see Weight formats) multiply in int8, which this peak "
+        "does not bound)"
+        if quantized
+        else ""
+    )
     lines = [
-        f"Weight bytes {machine['weight_bytes'] / 1e6:,.0f} MB (fp32, tied embeddings once); best read bandwidth in "
-        f"this run {machine['read_bw'] / 1e9:.1f} GB/s (the better of a 2-thread fp32 `sum` over 512 MiB and a "
-        f"2-thread GEMV over weight-sized matrices); peak {machine['peak_flops'] / 1e9:.0f} GFLOP/s (2-thread fp32 "
-        "GEMM 2048^3). Each row's floor is the larger of bytes / bandwidth and FLOPs / peak; the batch workload's "
+        f"{bytes_counted(run)} Best read bandwidth in this run {machine['read_bw'] / 1e9:.1f} GB/s (the better of a "
+        "2-thread fp32 `sum` over 512 MiB and a 2-thread GEMV over fp32 matrices as large as the fp32 model); peak "
+        f"{machine['peak_flops'] / 1e9:.0f} GFLOP/s (2-thread fp32 GEMM 2048^3){int_note}. Bandwidth floor of a "
+        f"decode step: {machine['weight_bytes'] / 1e6:,.1f} MB / {machine['read_bw'] / 1e9:.1f} GB/s = "
+        f"{1000 * machine['weight_bytes'] / machine['read_bw']:.2f} ms. Each row's floor is the larger of bytes / "
+        "bandwidth and FLOPs / peak; the batch workload's "
         "is a ceiling: its prompts' prefill FLOPs / peak + one batch decode floor per output token (its two "
         "columns: all decode steps' floor, all prefills' FLOPs / peak). x floor: figure / floor (throughput: floor "
         "/ figure), 1.00 = at the floor.",
@@ -68,7 +84,7 @@ def floor_lines(run: dict[str, Any]) -> list[str]:
         )
         + ".",
         "",
-        "| | bytes / bandwidth | FLOPs / peak | " + " | ".join(f"{COLUMN_LABELS[c]} x floor" for c in COLUMNS) + " |",
+        "| | bytes / bandwidth | FLOPs / peak | " + " | ".join(f"{names[c]} x floor" for c in COLUMNS) + " |",
         "|---|---|---|" + "---|" * len(COLUMNS),
     ]
     for row in rows(run):
@@ -91,7 +107,7 @@ def header(run: dict[str, Any]) -> list[str]:
     """Command, machine, versions, settings and loads."""
     systems = ", ".join(run.get("systems", ["ours", "openvino", "llamacpp"]))
     lines = [
-        "# Peers on this CPU: SmolLM2-135M-Instruct fp32, 2 threads, one HF folder",
+        f"# Peers on this CPU: SmolLM2-135M-Instruct {TITLES[weight_format(run)]}, 2 threads, one HF folder",
         "",
         f"Command: `{run['command']}` ({run['rounds']} interleaved rounds of {systems}; every "
         f"measurement in a fresh process; {run['started']} to {run['finished']}).",
@@ -112,16 +128,112 @@ def header(run: dict[str, Any]) -> list[str]:
     return lines
 
 
+def bytes_counted(run: dict[str, Any]) -> str:
+    """What the bandwidth floor's bytes are and how they were counted (`figures.decode_bytes`)."""
+    total, source = decode_bytes(run)
+    fmt = weight_format(run)
+    if source == "config" and fmt == "fp32":
+        return f"Weight bytes {total / 1e6:,.0f} MB (fp32, tied embeddings once, from the model's config)."
+    if source == "config":
+        return (
+            f"Bytes a decode step of ours reads: {total / 1e6:,.1f} MB, computed from the model's config under our "
+            f"{fmt} scheme (our artifact was not exported in this run): the decoder layers' linear weights at "
+            f"{'1 byte' if fmt == 'int8' else 'half a byte'} each plus their fp32 scales, every other weight fp32 "
+            "(tied embeddings once); the KV cache and activations not counted."
+        )
+    counted = run["formats"][OURS]["decode_bytes"]
+    types = ", ".join(f"{t} {b / 1e6:,.1f} MB" for t, b in run["formats"][OURS]["weights"].items())
+    embedding = (
+        f"the token embedding ({counted['embedding'] / 1e6:,.1f} MB fp32) stored once: the tied LM head reads it "
+        "whole every step"
+        if counted["tied"]
+        else f"less the token embedding table ({counted['embedding'] / 1e6:,.1f} MB: the LM head is stored apart and "
+        "the step gathers one row of the table)"
+    )
+    return (
+        f"Bytes a decode step of ours reads: {total / 1e6:,.1f} MB, counted from our batch-1 artifact's "
+        f"`model.safetensors` header: every stored tensor ({types}: the quantized linear weights, their scales, the "
+        f"norms), {embedding}; the KV cache and activations are not counted (a few MB at these contexts)."
+    )
+
+
+TITLES = {
+    "fp32": "fp32",
+    "int8": "int8 weights (llama.cpp Q8_0)",
+    "int4": "int4 weights (groups of 64; llama.cpp Q4_0)",
+}
+"""The report's title, per ``--weight-format``."""
+
+
+def format_lines(run: dict[str, Any]) -> list[str]:
+    """Each system's weights exactly, its model file and the bytes of its weight tensors by stored type (read from
+    the file in this run), and those bytes / the run's best read bandwidth."""
+    recorded = run.get("formats")
+    if not recorded:
+        return ["Not recorded (a run from before `--weight-format`): fp32 weights everywhere."]
+    bandwidth, names = machine_limits(run)["read_bw"], labels(run)
+    lines = [
+        "| | weights, exactly | model file | file MB | weight tensors, MB by stored type | weights / read bandwidth |",
+        "|---|---|---|---|---|---|",
+    ]
+    for system, column in (("ours", OURS), ("openvino", OPENVINO), ("llamacpp", LLAMA)):
+        entry = recorded.get(system)
+        if entry is None:
+            continue
+        if "weights" not in entry:
+            why = entry.get("error", "not read in this run")
+            lines.append(f"| {names[column]} | {entry['format']} | — ({why}) | — | — | — |")
+            continue
+        total = entry["decode_bytes"]["decode"] if "decode_bytes" in entry else entry["weight_bytes"]
+        types = ", ".join(f"{t} {b / 1e6:,.1f}" for t, b in entry["weights"].items() if b >= 1e5)
+        file = "/".join(Path(entry["file"]).parts[-3 if system == "ours" else -2 :])  # ours: exports/<key>/...
+        lines.append(
+            f"| {names[column]} | {entry['format']} | `{file}` | {entry.get('file_bytes', 0) / 1e6:,.1f} | {types} "
+            f"| {total / 1e6:,.1f} MB -> {1000 * total / bandwidth:.2f} ms |"
+        )
+    lines += [
+        "",
+        "Weights / read bandwidth: ours counts what a decode step reads (see Floors); the peers' count every weight "
+        "tensor in their file once (a tied embedding is stored once and its LM head reads it whole); types under "
+        "0.1 MB are left out.",
+    ]
+    plugin = recorded.get("openvino", {}).get("plugin")
+    if plugin:
+        lines += ["", openvino_plugin_line(plugin)]
+    return lines
+
+
+def openvino_plugin_line(plugin: dict[str, Any]) -> str:
+    """What OpenVINO's CPU plugin did with the IR (the worker's ``plugin`` answer)."""
+    settings = ", ".join(f"`{k}={v}`" for k, v in plugin.items() if isinstance(v, str))
+    kernels = "; ".join(f"{n} x {k}" for k, n in plugin.get("kernels", {}).items())
+    text = (
+        f"OpenVINO's CPU plugin, the IR compiled with the pipelines' settings: {settings}. Its matrix products "
+        f"(layer, kernel, weight precision): {kernels}; the kernel's name does not tell the activations' precision."
+    )
+    on, off = plugin.get("default"), plugin.get("dynamic_quantization_off")
+    if on and off:
+        text += (
+            " `DYNAMIC_QUANTIZATION_GROUP_SIZE` is the group of the int8 quantization of activations the plugin "
+            "applies inside layers with compressed weights (left at its default in every measurement); whether it is "
+            "in effect, from a forward of the bare IR (logits at every position, no pipeline; best of 2): 256 tokens "
+            f"{on['forward_256_ms']:.0f} ms with the default, {off['forward_256_ms']:.0f} ms with it off (0); a decode "
+            f"step {on['decode_ms']:.1f} ms vs {off['decode_ms']:.1f} ms."
+        )
+    return text
+
+
 def render(run: dict[str, Any]) -> str:
     """The whole markdown report."""
     lines = header(run)
     lines += ["", "## Figures (median, range over rounds)", "", *table(run), "", *run["settings"]]
     lines += ["", "## Goals (ratios of medians, within this run)", "", *goal_lines(run)]
+    lines += ["", f"## Weight formats ({weight_format(run)})", "", *format_lines(run)]
     lines += ["", "## Floors", "", *floor_lines(run)]
     errors = [f"- {m['system']} {m['measure']} round {m['round']}: {m['error']}" for m in run["log"] if m.get("error")]
     if errors:
         lines += ["", "## Failed measurements", "", *errors]
-    lines += ["", "![peers](peers.png)", ""]
+    lines += ["", f"![peers]({stem(run)}.png)", ""]
     return "\n".join(lines)
 
 
@@ -135,12 +247,13 @@ def plot(run: dict[str, Any], path: Path) -> None:
     bounds, table_rows = floors(run), rows(run)
     fig, axes = plt.subplots(1, len(table_rows), figsize=(3.6 * len(table_rows), 4))
     for ax, row in zip(axes, table_rows, strict=True):
-        names, mids, errs, colors = [], [], [[], []], []
+        names, mids, colors = [], [], []
+        errs: list[list[float]] = [[], []]
         for column in COLUMNS:
             values = cell_samples(run, row.key, column)
             if values:
                 mid = median(values) or 0.0
-                names.append(COLUMN_LABELS[column].replace(" (", "\n(").replace("`", ""))
+                names.append(labels(run)[column].replace(" (", "\n(").replace("`", ""))
                 mids.append(mid)
                 errs[0].append(mid - min(values))
                 errs[1].append(max(values) - mid)
@@ -155,11 +268,19 @@ def plot(run: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def stem(run_or_format: dict[str, Any] | str) -> str:
+    """The report's file name without its suffix: ``peers`` for fp32, ``peers-int8``, ``peers-int4``."""
+    fmt = run_or_format if isinstance(run_or_format, str) else weight_format(run_or_format)
+    return "peers" if fmt == "fp32" else f"peers-{fmt}"
+
+
 def write(run: dict[str, Any], folder: Path) -> Path:
-    """Write ``peers.json``, ``peers.md`` and ``peers.png`` into ``folder``; returns the markdown's path."""
+    """Write `stem`'s ``.json``, ``.md`` and ``.png`` (``peers.*`` for fp32) into ``folder``; returns the markdown's
+    path."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "peers.json").write_text(json.dumps(run, indent=1) + "\n")
-    plot(run, folder / "peers.png")
-    out = folder / "peers.md"
+    name = stem(run)
+    (folder / f"{name}.json").write_text(json.dumps(run, indent=1) + "\n")
+    plot(run, folder / f"{name}.png")
+    out = folder / f"{name}.md"
     out.write_text(render(run))
     return out

@@ -16,6 +16,7 @@ from typing import Any
 
 from benchmark.peerbench import llamacpp
 from benchmark.peerbench.figures import LLAMA, OPENVINO, OURS, VLLM
+from benchmark.peerbench.formats import OURS_FORMATS
 from benchmark.peerbench.layout import Layout
 from benchmark.peerbench.plan import CHUNK, SEQUENCE_LENGTH, Plan
 
@@ -71,12 +72,13 @@ def execute(layout: Layout, measure: Measure) -> dict[str, Any]:
 
 
 def export_artifacts(layout: Layout, batch_rows: int = 8, linear_kernel: str = "auto") -> dict[str, str]:
-    """Our batch-1 and batch-8 artifacts (fp32, inductor, S=2048, C=256, ``--linear_kernel linear_kernel``) from the
-    export cache, each export in its own process (a cache hit when the code and the model are unchanged); their
-    folders."""
+    """Our batch-1 and batch-8 artifacts (fp32, inductor, S=2048, C=256, ``--linear_kernel linear_kernel``, the
+    weights in ``layout``'s format: `formats.OURS_FORMATS`) from the export cache, each export in its own process (a
+    cache hit when the code and the model are unchanged); their folders."""
     out = {}
     for batch in (1, batch_rows):
         spec = {"measure": "export", "model": str(layout.model), "batch": batch, "linear_kernel": linear_kernel}
+        spec |= OURS_FORMATS[layout.weight_format]
         result = execute(
             layout, Measure("ours", "export", spec | {"sequence_length": SEQUENCE_LENGTH, "chunk": CHUNK}, dict)
         )

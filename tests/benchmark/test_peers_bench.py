@@ -6,15 +6,17 @@ peers' cells and goals say they are missing, the ratios are the medians' ratios,
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from benchmark import peers
-from benchmark.peerbench import figures, plan, report, rounds
+from benchmark.peerbench import figures, formats, install, plan, probes, report, rounds
 from benchmark.peerbench.layout import Layout, PeerMissingError
 from optimum.neuron.progress import StepProgress
 from tests.fixtures.llm.models import export_fixture, tiny_model
@@ -112,8 +114,10 @@ def test_rerun_of_one_system_keeps_the_others(tiny_run: dict[str, Any]) -> None:
     previous = json.loads(json.dumps(tiny_run))
     previous["figures"]["decode_b1_ms"][figures.LLAMA] = [20.0]
     previous["versions"]["llamacpp"] = "b1"
-    fresh = json.loads(json.dumps(tiny_run)) | {"started": "later"}
+    previous["formats"] = {"ours": {"format": "old"}, "llamacpp": {"format": "Q8_0 file"}}
+    fresh = json.loads(json.dumps(tiny_run)) | {"started": "later", "formats": {"ours": {"format": "new"}}}
     merged = peers.merge(previous, fresh, ["ours"])
+    assert merged["formats"] == {"llamacpp": {"format": "Q8_0 file"}, "ours": {"format": "new"}}
     assert merged["figures"]["decode_b1_ms"][figures.LLAMA] == [20.0]
     assert merged["versions"]["llamacpp"] == "b1" and "ours rerun" in merged["merged"]
     assert len(merged["probes"]) == 2 and merged["systems"] == ["ours"]
@@ -122,3 +126,118 @@ def test_rerun_of_one_system_keeps_the_others(tiny_run: dict[str, Any]) -> None:
 def test_a_missing_peer_names_the_setup_command(tmp_path: Path) -> None:
     with pytest.raises(PeerMissingError, match="--setup"):
         peers.check_installed(Layout(tmp_path), ["openvino"])
+
+
+@pytest.mark.parametrize(
+    ("fmt", "gguf_type", "ir", "stem"),
+    [
+        ("fp32", "F32", "openvino-ir-fp32", "peers"),  # the names fp32 always had
+        ("int8", "Q8_0", "openvino-ir-int8", "peers-int8"),
+        ("int4", "Q4_0", "openvino-ir-int4-g64", "peers-int4"),
+    ],
+)
+def test_each_weight_format_has_its_own_files(tmp_path: Path, fmt: str, gguf_type: str, ir: str, stem: str) -> None:
+    layout = Layout(tmp_path, fmt)
+    assert layout.openvino_ir == tmp_path / ir and report.stem(fmt) == stem
+    assert layout.gguf == tmp_path / f"smollm2-135m-instruct-{gguf_type.lower()}.gguf"
+    assert layout.f32_gguf == tmp_path / "smollm2-135m-instruct-f32.gguf" and layout.model == Layout(tmp_path).model
+    steps = install.steps(fmt)
+    assert steps["llamacpp"][-1].name.startswith(f"{gguf_type} GGUF") and steps["ours"] == steps["openvino"][:1]
+    args = install.openvino_format_args(fmt)
+    assert args[:2] == ["--weight-format", fmt] and (args[2:] == ["--group-size", "64"]) == (fmt == "int4")
+    assert figures.labels({"weight_format": fmt})[figures.LLAMA] == f"llama.cpp {gguf_type}"
+    assert "|" not in "".join(formats.DESCRIPTIONS[fmt].values())  # each sits in a markdown table's cell
+
+
+def test_a_missing_quantized_model_names_its_setup_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "openvino-ir-fp32").mkdir()  # the fp32 files do not stand in for the int4 ones
+    (tmp_path / "smollm2-135m-instruct-f32.gguf").write_bytes(b"")
+    for system in ("openvino", "llamacpp"):
+        with pytest.raises(
+            PeerMissingError, match=re.escape("`python -m benchmark.peers --setup --weight-format int4`")
+        ):
+            peers.check_installed(Layout(tmp_path, "int4"), [system])
+    with pytest.raises(SystemExit):
+        peers.main(["--weight-format", "int2"])
+    assert "invalid choice: 'int2'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_decode_bytes_of_our_quantized_artifact(fmt: str) -> None:
+    """The floor's bytes, counted from the artifact's safetensors header, are those the scheme predicts from the
+    config (1 or half a byte per linear weight, fp32 scales, fp32 embedding stored once: tied) and well under fp32."""
+    artifact = export_fixture(f"llama-2x4x8-{fmt}-eager")
+    tensors = formats.safetensors_tensors(artifact / "model.safetensors")
+    counted = formats.decode_bytes(tensors)
+    assert counted["tied"] and counted["decode"] == counted["stored"] == sum(b for _, b in tensors.values())
+    assert counted["embedding"] == 4 * 256 * 64
+    stored = formats.by_type(tensors)
+    assert set(stored) == {"F32", "I8" if fmt == "int8" else "U8"}
+    shape = probes.model_shape(tiny_model("llama"))
+    # the artifact also stores the rotary frequencies (head_dim / 2 floats), which the config's count leaves out
+    assert 0 <= counted["decode"] - formats.config_decode_bytes(shape, fmt) <= 4 * 64
+    assert counted["decode"] < 0.6 * probes.weight_bytes(shape)
+
+
+def test_an_untied_lm_head_leaves_the_embedding_table_out(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.zeros(10, 4),
+            "lm_head.weight": torch.zeros(10, 4),
+            "model.layers.0.mlp.up_proj.weight": torch.zeros(8, 4, dtype=torch.int8),
+            "model.layers.0.mlp.up_proj.weight_scale": torch.zeros(8, 1),
+        },
+        tmp_path / "model.safetensors",
+    )
+    counted = formats.decode_bytes(formats.safetensors_tensors(tmp_path / "model.safetensors"))
+    assert counted == {"stored": 160 + 160 + 32 + 32, "embedding": 160, "tied": False, "decode": 160 + 32 + 32}
+    shape = {"params": 2 * 40 + 32 + 5, "linear_params": 32, "linear_rows": 8, "lm_head_params": 40, "tied": 0}
+    assert formats.config_decode_bytes(shape, "int8") == 4 * (40 + 5) + 32 + 4 * 8
+
+
+def test_openvino_constants_by_element_type(tmp_path: Path) -> None:
+    (tmp_path / "m.xml").write_text(
+        '<net><layers><layer id="0" type="Const"><data element_type="u4" shape="8, 64" offset="0" size="256"/>'
+        '</layer><layer id="1" type="Const"><data element_type="f16" shape="8, 1" offset="256" size="16"/></layer>'
+        '<layer id="2" type="Parameter"><data element_type="f32" shape="1, 64"/></layer>'
+        '<layer id="3" type="Const"><data element_type="u4" shape="8, 1" offset="272" size="4"/></layer></layers></net>'
+    )
+    assert formats.openvino_constants(tmp_path / "m.xml") == {"u4": 260, "f16": 16}
+
+
+def test_quantized_report_names_its_format_and_counts_the_floor_from_the_artifact(
+    tiny_run: dict[str, Any], tmp_path: Path
+) -> None:
+    run = json.loads(json.dumps(tiny_run)) | {"weight_format": "int8", "systems": ["ours"]}
+    artifact = export_fixture("llama-2x4x8-int8-eager")
+    run["formats"] = formats.describe(Layout(tmp_path, "int8"), ["ours", "openvino"], str(artifact))
+    assert run["formats"]["openvino"]["error"].startswith(("FileNotFoundError", "OSError"))  # no IR here: no crash
+    run["formats"]["openvino"]["plugin"] = {
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE": "32",
+        "kernels": {"FullyConnected, brgemm_avx512_f32, u8": 211},
+        "default": {"forward_256_ms": 235.0, "decode_ms": 18.8},
+        "dynamic_quantization_off": {"forward_256_ms": 452.0, "decode_ms": 21.8},
+    }
+    counted = run["formats"]["ours"]["decode_bytes"]["decode"]
+    assert figures.decode_bytes(run) == (counted, "artifact")
+    bandwidth = figures.machine_limits(run)["read_bw"]
+    assert figures.floors(run)["decode_b1_ms"]["bytes_ms"] == pytest.approx(1000 * counted / bandwidth)
+    text = report.write(run, tmp_path).read_text()
+    assert (tmp_path / "peers-int8.json").is_file() and (tmp_path / "peers-int8.png").read_bytes().startswith(PNG)
+    assert not (tmp_path / "peers.md").exists()
+    assert text.startswith("# Peers on this CPU: SmolLM2-135M-Instruct int8 weights (llama.cpp Q8_0)")
+    assert "llama.cpp Q8_0" in text and "![peers](peers-int8.png)" in text and "## Weight formats (int8)" in text
+    assert f"Bytes a decode step of ours reads: {counted / 1e6:,.1f} MB, counted from our batch-1 artifact" in text
+    assert (
+        "per output channel" in text and "| OpenVINO GenAI | `optimum-cli export openvino --weight-format int8`" in text
+    )
+    assert (
+        "`DYNAMIC_QUANTIZATION_GROUP_SIZE=32`" in text
+        and "256 tokens 235 ms with the default, 452 ms with it off" in text
+    )
+    # without our artifact (e.g. `--only openvino`), the floor's bytes come from the config under our scheme
+    del run["formats"]
+    shape = run["probes"][0]["shape"]
+    assert figures.decode_bytes(run) == (formats.config_decode_bytes(shape, "int8"), "config")
