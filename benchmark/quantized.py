@@ -145,23 +145,11 @@ def _worker(spec: dict[str, Any]) -> None:
 
 
 def step_bytes(artifact: Path) -> int:
-    """Bytes one decode step reads from the stored weights: every tensor but an untied embedding table."""
-    from safetensors import safe_open
+    """Bytes one decode step reads from the stored weights (`peerbench.formats.decode_bytes`: every tensor but an
+    untied embedding table)."""
+    from benchmark.peerbench.formats import decode_bytes, safetensors_tensors
 
-    total = 0
-    with safe_open(str(artifact / "model.safetensors"), "pt") as handle:
-        names = list(handle.keys())
-        tied = "lm_head.weight" not in names
-        for name in names:
-            if name == "model.embed_tokens.weight" and not tied:
-                continue
-            tensor = handle.get_slice(name)
-            total += math.prod(tensor.get_shape()) * _itemsize(tensor.get_dtype())
-    return total
-
-
-def _itemsize(dtype: str) -> int:
-    return {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1}[dtype]
+    return int(decode_bytes(safetensors_tensors(artifact / "model.safetensors"))["decode"])
 
 
 def agreement(reference: list[list[int]], tokens: list[list[int]]) -> dict[str, float]:

@@ -58,15 +58,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """int4 values ``q`` int8 ``[N, K]`` (K even) -> uint8 ``[N, K / 2]``: column ``2j`` in byte j's low nibble,
-    ``2j + 1`` in its high nibble, two's complement (a zero byte is two zero weights)."""
-    low, high = q[:, 0::2].to(torch.uint8) & 0xF, q[:, 1::2].to(torch.uint8) & 0xF
+    """int4 values ``q`` int8 ``[..., K]`` (K even) -> uint8 ``[..., K / 2]``: element ``2j`` of the last dimension in
+    byte j's low nibble, ``2j + 1`` in its high nibble, two's complement (a zero byte is two zero weights). The
+    stored form's rule, and the packed kernel's on its panels (`kernels.packed.pack_int4`)."""
+    low, high = q[..., 0::2].to(torch.uint8) & 0xF, q[..., 1::2].to(torch.uint8) & 0xF
     return low | (high << 4)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """The int8 ``[N, K]`` values `pack_nibbles` stored in ``packed``."""
-    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).to(torch.int8)
+    """The int8 ``[..., K]`` values `pack_nibbles` stored in ``packed``."""
+    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).to(torch.int8)
     return nibbles - ((nibbles & 8) << 1)
 
 
@@ -84,7 +85,7 @@ def group_size(config: NeuronConfig, inputs: Iterable[int]) -> int:
     if config.weight_format != "int4":
         return 0
     if config.weight_group_size:
-        bad = [k for k in sizes if k % config.weight_group_size or k % 2]
+        bad = [k for k in sizes if k % config.weight_group_size]  # an even group (config) leaves K even
         if bad:
             raise IncompatibleConfigError(
                 f"weight_group_size={config.weight_group_size} does not divide the input size(s) {bad} of the "

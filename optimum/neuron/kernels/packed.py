@@ -29,6 +29,7 @@ import torch
 
 from ..cache_dir import cache_lock, cache_root
 from ..errors import BackendUnavailableError
+from ..quantization import pack_nibbles, unpack_nibbles
 
 PANEL = 16
 """Output columns per panel."""
@@ -148,15 +149,12 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     ``q[16 p + 2 j, k]`` in its low nibble and ``q[16 p + 2 j + 1, k]`` in its high nibble, each as 4-bit two's
     complement (zero past N: a zero byte is two zero weights)."""
     _check_quantized(q, -8, 7)
-    panels = pack(q)
-    nibbles = (panels & 0x0F).to(torch.uint8).view(*panels.shape[:2], PANEL // 2, 2)
-    return nibbles[..., 0] | (nibbles[..., 1] << 4)
+    return pack_nibbles(pack(q))
 
 
 def unpack_int4(packed: torch.Tensor, rows: int) -> torch.Tensor:
     """The ``[rows, K]`` int8 weight (values in [-8, 7]) that `pack_int4` made ``packed`` (uint8 ``[P, K, 8]``) from."""
-    nibbles = torch.stack((packed & 0x0F, packed >> 4), dim=-1).view(*packed.shape[:2], PANEL).to(torch.int8)
-    return unpack((nibbles ^ 8) - 8, rows)
+    return unpack(unpack_nibbles(packed), rows)
 
 
 def pack_scales(scales: torch.Tensor) -> torch.Tensor:

@@ -21,16 +21,8 @@ from torch import nn
 
 from ...config import NeuronConfig
 from ...kernels.packed import packed_qlinear, qpacked_shape
-from ...quantization import SCALE, group_size, quantizable
+from ...quantization import SCALE, dequantize, group_size, quantizable
 from .parallel import RowParallelLinear
-
-
-def dequantized(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight [N, K]`` int8 times its scales ``[N, groups]`` (each over its group of columns), in ``dtype``."""
-    rows, columns = weight.shape
-    groups = scale.shape[1]
-    grouped = weight.to(torch.float32).reshape(rows, groups, columns // groups) * scale[..., None]
-    return grouped.reshape(rows, columns).to(dtype)
 
 
 class QuantizedLinear(nn.Linear):
@@ -39,7 +31,7 @@ class QuantizedLinear(nn.Linear):
     weight_scale: nn.Parameter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dequantized(self.weight, self.weight_scale, x.dtype), self.bias)
+        return F.linear(x, dequantize(self.weight, self.weight_scale).to(x.dtype), self.bias)
 
 
 class QuantizedRowParallelLinear(RowParallelLinear):
@@ -48,7 +40,7 @@ class QuantizedRowParallelLinear(RowParallelLinear):
     weight_scale: nn.Parameter
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dequantized(self.weight, self.weight_scale, x.dtype))
+        return F.linear(x, dequantize(self.weight, self.weight_scale).to(x.dtype))
 
 
 class PackedQuantizedLinear(nn.Linear):
@@ -96,7 +88,7 @@ def quantize_decoder(decoder: nn.Module, config: NeuronConfig) -> None:
     if config.weight_format == "float":
         return
     modules = [_linear(decoder, name) for name in quantized_modules(decoder)]
-    group = group_size(config, quantized_inputs(decoder))
+    group = group_size(config, [module.in_features for module in modules])
     for module in modules:
         device, rows, columns = module.weight.device, module.out_features, module.in_features
         groups = 1 if config.weight_format == "int8" else columns // group
