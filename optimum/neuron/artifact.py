@@ -275,18 +275,14 @@ def assemble(hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tens
 
 
 def allocate_cache(hf_config: Any, config: NeuronConfig, device: str | torch.device) -> list[torch.Tensor]:
-    """The one KV cache of an artifact: K and V per layer, ``[batch_size, kv_heads, sequence_length, head_dim]`` (of
-    the language decoder, for an image-text model; a tensor-parallel rank's: its KV heads only)."""
+    """The one KV cache of an artifact: K and V per layer, ``[kv_blocks * block_size, kv_heads, head_dim]`` (the pool
+    and the scratch block; of the language decoder, for an image-text model; a tensor-parallel rank's: its KV heads
+    only)."""
     hf_config = language_config(hf_config)
     if config.tp_degree > 1:
         hf_config = rank_config(hf_config, config.tp_degree)
     dims = attention_dims(hf_config)
+    slots = config.kv_blocks * config.block_size
     return allocate_kv_cache(
-        hf_config.num_hidden_layers,
-        config.batch_size,
-        dims.kv_heads,
-        config.sequence_length,
-        dims.head_dim,
-        config.torch_dtype,
-        device,
+        hf_config.num_hidden_layers, slots, dims.kv_heads, dims.head_dim, config.torch_dtype, device
     )

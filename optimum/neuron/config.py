@@ -24,6 +24,8 @@ DEVICES = ("cpu", "cuda", "neuron")
 CONFIG_FILE = "neuron_config.json"
 AUTO_FIRST_WINDOW = 256
 """The smallest KV window of ``kv_buckets="auto"`` (unless the chunk is larger)."""
+AUTO_BLOCK_SIZES = (32, 16, 8, 4, 2, 1)
+"""``kv_block_size=0`` picks the largest of these that divides the sequence length and every KV window."""
 LINEAR_KERNELS = ("auto", "packed", "aten")
 WEIGHT_FORMATS = ("float", "int8", "int4")
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -80,6 +82,16 @@ class NeuronConfig:
     ``sequence_length``; or increasing sizes ``W1,W2,...`` (``sequence_length`` is always added). Backends with
     static shapes (xla, neuron) compile one graph per window; inductor and eager compile the window as one symbolic
     dimension, so windows cost no export time there."""
+    kv_block_size: int = 0
+    """Positions per block of the paged KV cache: the unit vLLM's KV cache manager (or, under ``generate()``, the
+    engine's own allocator) hands a sequence, and the unit prefix caching reuses. It must divide ``sequence_length``
+    and every KV window (a window reads whole blocks). 0 picks the largest of 32, 16, 8, 4, 2, 1 that does
+    (docs/architecture.md, "The paged KV cache")."""
+    kv_cache_tokens: int = 0
+    """Positions the paged KV cache holds for all sequences together, a multiple of the block size and at least
+    ``sequence_length``: its memory is ``kv_cache_tokens x layers x 2 x kv_heads x head_dim x dtype`` bytes (plus
+    one scratch block). 0 is ``batch_size x sequence_length``, room for every slot at full length; a smaller pool
+    serves ``batch_size`` sequences as long as their blocks fit (vLLM admits and preempts by blocks)."""
     max_topk: int = 256
     """Candidates every sampler keeps: the largest ``top_k`` a sampled request may ask for (a larger one is
     refused), and the tokens drawn from when it sets none."""
@@ -129,6 +141,7 @@ class NeuronConfig:
             _check_weight_format,
             _check_sampling,
             _check_buckets,
+            _check_kv_cache,
             _check_images,
         ):
             check(self)
@@ -153,6 +166,26 @@ class NeuronConfig:
             return (*windows, seq)
         sizes = tuple(int(part) for part in spec.split(","))
         return sizes if sizes[-1] == seq else (*sizes, seq)
+
+    @property
+    def block_size(self) -> int:
+        """Positions per KV block: `kv_block_size`, or for 0 the largest of `AUTO_BLOCK_SIZES` dividing the sequence
+        length and every KV window (the one rule that resolves it)."""
+        if self.kv_block_size:
+            return self.kv_block_size
+        sizes = (self.sequence_length, *self.kv_windows)
+        return next(b for b in AUTO_BLOCK_SIZES if all(size % b == 0 for size in sizes))
+
+    @property
+    def cache_tokens(self) -> int:
+        """Positions of the KV pool: `kv_cache_tokens`, or for 0 ``batch_size x sequence_length``."""
+        return self.kv_cache_tokens or self.batch_size * self.sequence_length
+
+    @property
+    def kv_blocks(self) -> int:
+        """Blocks of the KV cache: the pool's, plus block 0, the scratch block that takes every write of a token that
+        is not real and that no sequence owns (vLLM's null block)."""
+        return self.cache_tokens // self.block_size + 1
 
     @property
     def packed_linears(self) -> bool:
@@ -185,6 +218,7 @@ class NeuronConfig:
             **fields,
             "graphs": graphs,
             "kv_windows": list(self.kv_windows),
+            "kv_cache": {"block_size": self.block_size, "blocks": self.kv_blocks, "tokens": self.cache_tokens},
             "versions": runtime_versions(self.backend),
             "hash": _fields_hash(fields),
         }
@@ -375,6 +409,36 @@ def _check_buckets(config: NeuronConfig) -> None:
             f"kv_buckets={spec!r}: every window must lie between {smallest} (the prefill chunk, at least 2) and "
             f"sequence_length={config.sequence_length}: {fix}"
         )
+
+
+def _check_kv_cache(config: NeuronConfig) -> None:
+    """`kv_block_size` divides the sequence length and every KV window; `kv_cache_tokens` is whole blocks and holds one
+    sequence of ``sequence_length``."""
+    for name in ("kv_block_size", "kv_cache_tokens"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise IncompatibleConfigError(
+                f"{name} must be a non-negative integer, got {value!r}: pass {flag(name)} N (0: the default)."
+            )
+    block, sizes = config.kv_block_size, (config.sequence_length, *config.kv_windows)
+    if block and any(size % block for size in sizes):
+        raise IncompatibleConfigError(
+            f"kv_block_size={block} must divide sequence_length={config.sequence_length} and every KV window "
+            f"{list(config.kv_windows)} (a window reads whole blocks): pass {flag('kv_block_size')} with a divisor of "
+            f"them, e.g. {_largest_divisor(sizes, block)}, or 0 for the default."
+        )
+    tokens, block = config.kv_cache_tokens, config.block_size
+    if tokens and (tokens % block or tokens < config.sequence_length):
+        raise IncompatibleConfigError(
+            f"kv_cache_tokens={tokens} must be a multiple of the block size {block} and at least sequence_length="
+            f"{config.sequence_length} (one sequence at full length fits): pass {flag('kv_cache_tokens')} "
+            f"{max(config.sequence_length, -(-tokens // block) * block)}, or 0 for batch_size x sequence_length."
+        )
+
+
+def _largest_divisor(sizes: tuple[int, ...], below: int) -> int:
+    """The largest block size up to ``below`` dividing every one of ``sizes`` (1 at worst)."""
+    return next(b for b in range(below, 0, -1) if all(size % b == 0 for size in sizes))
 
 
 def _check_images(config: NeuronConfig) -> None:

@@ -52,9 +52,10 @@ class GraphSpec:
     """Prefill graphs: True when the graph returns the logits of every column ``[tokens, V]`` (the runtime keeps
     the real rows, told by the actual-tokens mask) instead of the last real token's ``[1, V]``: prompt logprobs."""
     windows: tuple[int, ...] = ()
-    """The KV windows the graph can attend over (cache positions ``[0, W)`` written by earlier calls, passed as
-    ``key_positions = arange(W)``): one for a graph compiled per window, every window of the artifact for a graph
-    whose window is a symbolic dimension, none for a graph that reads no earlier cache (context encoding)."""
+    """The KV windows the graph can attend over (a sequence's positions ``[0, W)`` written by earlier calls, read
+    through the first ``W / block_size`` columns of its block table): one for a graph compiled per window, every window
+    of the artifact for a graph whose window is a symbolic dimension, none for a graph that reads no earlier cache
+    (context encoding)."""
     sequence_length: int = 0
     """The artifact's ``sequence_length``: the window that needs no suffix in the name."""
     images: bool = False
@@ -62,6 +63,9 @@ class GraphSpec:
     ``image_mask [1, tokens]`` and splice those rows over the token embeddings (`models.layers.splice`)."""
     image_size: int = 0
     """The vision encoder: pixels per side of a tile (``batch`` is the tiles per call)."""
+    block_size: int = 1
+    """Positions per block of the paged KV cache: a graph reading the cache in window ``W`` takes a block table of
+    ``W / block_size`` columns."""
 
     @property
     def name(self) -> str:
@@ -170,44 +174,37 @@ def prefill_kind(config: NeuronConfig) -> GraphKind:
 
 def graph_spec(config: NeuronConfig, kind: GraphKind) -> GraphSpec:
     """The signature of graph ``kind`` under ``config``, serving every KV window of the artifact."""
-    seq, windows = config.sequence_length, config.kv_windows
+    seq, windows, block = config.sequence_length, config.kv_windows, config.block_size
     if kind is GraphKind.TOKEN_GENERATION:
-        return GraphSpec(kind, config.batch_size, 1, config.on_device_sampling, False, windows, seq)
+        return GraphSpec(kind, config.batch_size, 1, config.on_device_sampling, False, windows, seq, block_size=block)
     if kind is GraphKind.CHUNKED_PREFILL:
-        return GraphSpec(kind, 1, config.prefill_chunk_size, False, False, windows, seq)
-    return GraphSpec(kind, 1, seq, False, False, (), seq)
+        return GraphSpec(kind, 1, config.prefill_chunk_size, False, False, windows, seq, block_size=block)
+    return GraphSpec(kind, 1, seq, False, False, (), seq, block_size=block)
 
 
 def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
-    """Per-call inputs of graph ``spec`` (the KV cache is passed separately), valid for tracing; a graph that
-    reads the cache gets the key positions of its largest window; the image rows of an image-text prefill graph
-    come from `image_row_inputs`."""
+    """Per-call inputs of graph ``spec`` (the KV cache is passed separately), valid for tracing: every token writes
+    to the scratch block; a graph that reads the cache gets a block table of its largest window (all scratch); the
+    image rows of an image-text prefill graph come from `image_row_inputs`."""
     if spec.kind is GraphKind.VISION_ENCODER:
         return {"pixel_values": torch.zeros(spec.batch, 3, spec.image_size, spec.image_size)}
     ids = torch.zeros(spec.batch, spec.tokens, dtype=torch.long)
     positions = torch.arange(spec.tokens, dtype=torch.long).expand(spec.batch, -1).contiguous()
-    inputs = {"input_ids": ids, "position_ids": positions}
-    if spec.kind.is_prefill:
-        inputs["seq_ids"] = torch.zeros(1, dtype=torch.long)
+    inputs = {"input_ids": ids, "position_ids": positions, "slot_mapping": torch.zeros_like(ids)}
     if spec.windows:
-        inputs["key_positions"] = key_positions(max(spec.windows))
+        inputs["block_table"] = torch.zeros(spec.batch, max(spec.windows) // spec.block_size, dtype=torch.long)
     if spec.samples_on_device:
         inputs.update(sampling_inputs(spec.batch))
     return inputs
 
 
-def key_positions(window: int) -> torch.Tensor:
-    """The ``key_positions`` input of a call in KV window ``window``: cache positions ``0 .. window - 1``."""
-    return torch.arange(window, dtype=torch.long)
-
-
 def window_dims(spec: GraphSpec) -> dict[str, object] | None:
-    """`torch.export` dynamic shapes of graph ``spec``'s per-call inputs by name: the window (the length of
-    ``key_positions``) is symbolic when the graph serves several; None when every shape is static."""
+    """`torch.export` dynamic shapes of graph ``spec``'s per-call inputs by name: the window (the columns of
+    ``block_table``, whole blocks) is symbolic when the graph serves several; None when every shape is static."""
     if not spec.symbolic_window:
         return None
-    window = torch.export.Dim("kv_window", min=min(spec.windows), max=max(spec.windows))
-    return {"key_positions": {0: window}}
+    low, high = (min(spec.windows) // spec.block_size, max(spec.windows) // spec.block_size)
+    return {"block_table": {1: torch.export.Dim("kv_blocks", min=low, max=high)}}
 
 
 def image_row_inputs(spec: GraphSpec, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -230,12 +227,15 @@ def sampling_inputs(batch: int) -> dict[str, torch.Tensor]:
 
 
 def graph_args(kind: GraphKind, inputs: dict[str, torch.Tensor], kv_cache: list[torch.Tensor]) -> tuple:
-    """The positional arguments of graph ``kind``, in the order its module's forward takes them."""
-    window = (inputs["key_positions"],) if "key_positions" in inputs else ()
+    """The positional arguments of graph ``kind``, in the order its module's forward takes them: the tokens, their
+    positions and cache slots, (image rows), the KV cache, the block table of a graph reading the cache (its window),
+    (sampling inputs)."""
+    window = (inputs["block_table"],) if "block_table" in inputs else ()
     if kind is GraphKind.VISION_ENCODER:
         return (inputs["pixel_values"],)
+    tokens = (inputs["input_ids"], inputs["position_ids"], inputs["slot_mapping"])
     if kind.is_prefill:  # an image-text prefill graph takes its image rows before the cache (`ImagePrefillGraph`)
         images = tuple(inputs[k] for k in ("image_embeds", "image_mask") if k in inputs)
-        return (inputs["input_ids"], inputs["position_ids"], inputs["seq_ids"], *images, kv_cache, *window)
+        return (*tokens, *images, kv_cache, *window)
     sampling = tuple(inputs[k] for k in ("temperature", "top_k", "top_p", "uniforms") if k in inputs)
-    return (inputs["input_ids"], inputs["position_ids"], kv_cache, *window, *sampling)
+    return (*tokens, kv_cache, *window, *sampling)

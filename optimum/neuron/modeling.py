@@ -47,6 +47,7 @@ class NeuronModelForCausalLM:
         output_logits: bool = False,
         return_dict_in_generate: bool = False,
         images: list[list[ImageInput]] | None = None,
+        use_prefix_cache: bool = True,
         **unsupported: Any,
     ) -> Any:
         """Generate like ``transformers``' ``generate``: returns ``[N, L + new]``, the input ids followed
@@ -60,7 +61,9 @@ class NeuronModelForCausalLM:
         sampler drew from: the logits when greedy, else temperature, top-k and top-p applied) with
         ``output_scores``, raw ``logits`` with ``output_logits``; a row that already stopped puts all its
         mass on ``pad_token_id`` there (score 0, others -inf). ``images[i]`` are the images of row i (image-text
-        artifacts: `NeuronModelForImageTextToText` builds them from the processor's ``pixel_values``)."""
+        artifacts: `NeuronModelForImageTextToText` builds them from the processor's ``pixel_values``). A prompt whose
+        first blocks of tokens (and images) an earlier call computed reuses their KV blocks and prefills only the rest,
+        unless ``use_prefix_cache`` is False (docs/architecture.md, "The paged KV cache")."""
         if unsupported:
             raise InputError(f"generate() does not support {sorted(unsupported)} on compiled graphs.")
         gen = self.generation_config
@@ -78,7 +81,8 @@ class NeuronModelForCausalLM:
         pad = int(pad if pad is not None else (min(eos) if eos else 0))
         prompts = [p for p in _real_tokens(input_ids, attention_mask) for _ in range(num_return_sequences)]
         rows = [i for i in images for _ in range(num_return_sequences)] if images is not None else None
-        out = generate(self.engine, prompts, 20 if max_new_tokens is None else max_new_tokens, params, eos, rows)
+        new = 20 if max_new_tokens is None else max_new_tokens
+        out = generate(self.engine, prompts, new, params, eos, rows, use_prefix_cache)
         width = max(len(t) for t in out.tokens)
         tail = torch.full((len(prompts), width), pad, dtype=torch.long)
         for row, tokens in enumerate(out.tokens):

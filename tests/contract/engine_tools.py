@@ -15,6 +15,7 @@ from optimum.neuron import NeuronModelForCausalLM
 from optimum.neuron.artifact import Artifact
 from optimum.neuron.runtime.engine import Engine
 from optimum.neuron.runtime.generate import generate_tokens
+from optimum.neuron.runtime.padding import slots_of
 from optimum.neuron.runtime.sampling import SamplingParams
 from tests.fixtures.llm.models import export_fixture
 
@@ -33,9 +34,10 @@ def fixture_name(family: str, backend: str, chunked: bool = True) -> str:
     return f"{family}-2x4x8-{backend}" if chunked else f"{family}-2x1x32-ce-{backend}"
 
 
-def engine_for(backend: str, family: str = "llama", chunked: bool = True) -> Engine:
-    """A fresh engine on the named fixture (batch 2, sequence length 32)."""
-    return Engine(Artifact.open(export_fixture(fixture_name(family, backend, chunked))))
+def engine_for(backend: str, family: str = "llama", chunked: bool = True, caller_blocks: bool = False) -> Engine:
+    """A fresh engine on the named fixture (batch 2, sequence length 32, blocks of 4 positions); with
+    ``caller_blocks`` the test places every sequence's blocks itself."""
+    return Engine(Artifact.open(export_fixture(fixture_name(family, backend, chunked))), caller_blocks=caller_blocks)
 
 
 @functools.cache
@@ -63,11 +65,11 @@ def flat_tensors(args: tuple) -> list[torch.Tensor]:
     return out
 
 
-def call_window(args: tuple) -> int:
-    """The KV window of a graph call: the length of its ``key_positions``, the argument after the KV cache list
-    (`graphs.graph_args`); 0 when the graph takes none."""
+def call_window(args: tuple, block_size: int) -> int:
+    """The KV window of a graph call: the columns of its ``block_table``, the argument after the KV cache list
+    (`graphs.graph_args`), times the block size; 0 when the graph takes none."""
     index = next(i for i, arg in enumerate(args) if isinstance(arg, list))
-    return int(args[index + 1].shape[0]) if index + 1 < len(args) else 0
+    return int(args[index + 1].shape[1]) * block_size if index + 1 < len(args) else 0
 
 
 class Recorder:
@@ -75,6 +77,7 @@ class Recorder:
 
     def __init__(self, engine: Engine) -> None:
         self.calls: list[tuple[str, tuple]] = []
+        self.block_size = engine.block_size
         for name, graph in list(engine.graphs.items()):
             engine.graphs[name] = self._wrap(name, graph)
 
@@ -96,7 +99,7 @@ class Recorder:
 
     def windows(self) -> list[tuple[str, int]]:
         """``(graph name, KV window)`` of each call, in order (window 0: the graph reads no earlier cache)."""
-        return [(name, call_window(args)) for name, args in self.calls]
+        return [(name, call_window(args, self.block_size)) for name, args in self.calls]
 
     def caches(self) -> list[list[torch.Tensor]]:
         """The KV cache list each call received."""
@@ -104,8 +107,9 @@ class Recorder:
 
 
 def prefill_logits(engine: Engine, ids: list[int], seq_id: Hashable = "probe") -> torch.Tensor:
-    """The last-token logits ``[V]`` of ``ids`` prefilled whole in one step (the slot is given back)."""
-    engine.admit(seq_id, ids, GREEDY)
+    """The last-token logits ``[V]`` of ``ids`` prefilled whole in one step, no cached block reused (the slot and
+    blocks are given back)."""
+    engine.admit(seq_id, ids, GREEDY, reuse=False)
     try:
         return engine.step({seq_id: len(ids)}).logits[seq_id]
     finally:
@@ -123,9 +127,16 @@ def decode(engine: Engine, seq_ids: list[Hashable], steps: int) -> None:
         engine.step(dict.fromkeys(seq_ids, 1))
 
 
-def slot_rows(engine: Engine, slot: int, last: int) -> list[torch.Tensor]:
-    """Host copies of rows ``[0, last)`` of ``slot`` in every K and V tensor."""
-    return [t[slot, :, :last].cpu().clone() for t in engine.kv_cache]
+def sequence_slots(engine: Engine, seq_id: Hashable, first: int, last: int) -> torch.Tensor:
+    """The cache rows of positions ``[first, last)`` of sequence ``seq_id`` (through its blocks)."""
+    blocks = engine.sequence(seq_id).blocks
+    return torch.tensor(slots_of(blocks, range(first, last), engine.block_size), dtype=torch.long)
+
+
+def sequence_rows(engine: Engine, seq_id: Hashable, last: int) -> list[torch.Tensor]:
+    """Host copies of positions ``[0, last)`` of sequence ``seq_id`` in every K and V tensor."""
+    slots = sequence_slots(engine, seq_id, 0, last)
+    return [t.cpu()[slots].clone() for t in engine.kv_cache]
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

@@ -2,18 +2,18 @@
 and `tests/models/test_kv_bitwise.py` (bf16, eager and inductor).
 
 A chunk with ``fill < C`` real tokens is padded by repeating the last real token id and position. The
-padded columns must not change anything live: they write their K/V to the slot's scratch row (row ``S``,
-never read), and they cannot influence the real columns (those only attend to earlier, real keys). So the
-shipped graph, run on a cache filled with noise, must write exactly rows ``[start, start + fill)`` of its
-slot, bitwise equal to the rows written when the same tokens are the first ``fill`` of a full, unpadded
-chunk, plus the scratch row, and leave every other row of every slot untouched.
+padded columns must not change anything live: they write their K/V to the scratch block (block 0, never read),
+and they cannot influence the real columns (those only attend to earlier, real keys). So the
+shipped graph, run on a cache filled with noise, must write exactly positions ``[start, start + fill)`` of its
+sequence (through its blocks), bitwise equal to the rows written when the same tokens are the first ``fill`` of a
+full, unpadded chunk, plus the scratch block, and leave every other row of the cache untouched.
 
 (An earlier form of this invariant let padded columns write duplicates of the last real row, relying on
 them computing it bitwise; XLA:CPU on an AVX2 host computes identical rows of a matmul differently in the
 last bit depending on their place in the kernel's row blocks, so that premise does not hold everywhere.)
 
-The padded chunk is the prompt's second chunk (the first is full), so cache reads are exercised. The
-sequence is prefilled in slot 1 (a placeholder holds slot 0), so the slot offset of the writes counts.
+The padded chunk is the prompt's second chunk (the first is full), so cache reads are exercised. A placeholder
+sequence holds slot 0 and the pool's first block, so the sequence's slot and blocks are not the first ones.
 `FAMILIES` adds a sliding-window layer (gemma3: window 12, so the second chunk's queries lose the first
 keys) and a sparse MoE layer (qwen3_moe) to the llama reference.
 """
@@ -24,15 +24,15 @@ import torch
 
 from optimum.neuron.artifact import Artifact
 from optimum.neuron.runtime.engine import Engine
-from tests.contract.engine_tools import GREEDY
-from tests.models.exports import CHUNK, SEQUENCE_LENGTH, dtype_fixture
+from optimum.neuron.models.layers.kv_cache import SCRATCH_BLOCK
+from tests.contract.engine_tools import GREEDY, sequence_slots
+from tests.models.exports import CHUNK, dtype_fixture
 
 FAMILY = "llama"
 FAMILIES = (FAMILY, "gemma3", "qwen3_moe")
 """The families the check runs on: the reference, one with sliding-window layers, one with an MoE layer."""
 SLOT = 1
 START = CHUNK  # the padded chunk follows one full chunk
-SCRATCH = SEQUENCE_LENGTH  # each slot's scratch row
 FILLS = (1, 2, 5, CHUNK - 1)  # real tokens in the padded chunk
 
 
@@ -47,21 +47,32 @@ class Setup:
         self.first, self.second = prompt[:CHUNK], prompt[CHUNK:]
 
     def start(self, tokens: list[int], seed: int) -> list[torch.Tensor]:
-        """Fill the cache with noise, admit ``first + tokens`` in slot `SLOT`, prefill the full first chunk,
-        and return a host copy of the cache."""
+        """Fill the cache with noise, admit ``first + tokens`` in slot `SLOT` (no cached block reused: the noise
+        overwrote them), prefill the full first chunk, and return a host copy of the cache."""
         generator = torch.Generator().manual_seed(seed)
         for tensor in self.engine.kv_cache:
             tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype).to(tensor.device))
         self.engine.release("chunks")
-        assert self.engine.admit("chunks", self.first + tokens, GREEDY).slot == SLOT
+        assert self.engine.admit("chunks", self.first + tokens, GREEDY, reuse=False).slot == SLOT
         self.engine.step({"chunks": CHUNK})
         return [t.cpu().clone() for t in self.engine.kv_cache]
 
     def shipped(self, tokens: list[int], seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Host copies of the cache before and after the shipped graph prefills ``tokens`` at ``START``."""
+        """Host copies of the cache before and after the shipped graph prefills ``tokens`` at ``START``, and the
+        cache rows of the sequence's positions."""
         before = self.start(tokens, seed)
         self.engine.step({"chunks": len(tokens)})
         return before, [t.cpu().clone() for t in self.engine.kv_cache]
+
+    def slots(self, first: int, last: int) -> torch.Tensor:
+        """The cache rows of positions ``[first, last)`` of the sequence."""
+        return sequence_slots(self.engine, "chunks", first, last)
+
+    @property
+    def scratch(self) -> slice:
+        """The cache rows of the scratch block."""
+        size = self.engine.block_size
+        return slice(SCRATCH_BLOCK * size, (SCRATCH_BLOCK + 1) * size)
 
 
 _setups: dict[tuple[str, str, str], Setup] = {}
@@ -73,18 +84,18 @@ def setup(backend: str, dtype: str, family: str = FAMILY) -> Setup:
     return _setups[(backend, dtype, family)]
 
 
-def rows(cache: list[torch.Tensor], first: int, last: int) -> list[torch.Tensor]:
-    """Rows ``[first, last)`` of slot `SLOT` in every K and V tensor."""
-    return [t[SLOT, :, first:last] for t in cache]
+def rows(cache: list[torch.Tensor], slots: torch.Tensor | slice) -> list[torch.Tensor]:
+    """The rows ``slots`` of every K and V tensor."""
+    return [t[slots] for t in cache]
 
 
-def unchanged_outside(before: list[torch.Tensor], after: list[torch.Tensor], first: int, last: int) -> bool:
-    """True when only rows ``[first, last)`` and the scratch row of slot `SLOT` differ between the caches."""
+def unchanged_outside(case: Setup, before: list[torch.Tensor], after: list[torch.Tensor], live: torch.Tensor) -> bool:
+    """True when only the rows ``live`` and the scratch block differ between the caches."""
     for old, new in zip(before, after, strict=True):
         old, new = old.clone(), new.clone()
         for tensor in (old, new):
-            tensor[SLOT, :, first:last] = 0
-            tensor[SLOT, :, SCRATCH] = 0
+            tensor[live] = 0
+            tensor[case.scratch] = 0
         if not torch.equal(old, new):
             return False
     return True
@@ -105,15 +116,15 @@ def check_padded_chunk_writes_on(engine: Engine) -> None:
 def _check_padded_chunk_writes(case: Setup) -> None:
     for fill in FILLS:
         before, padded = case.shipped(case.second[:fill], seed=fill)
-        assert unchanged_outside(before, padded, START, START + fill), (
-            f"fill {fill}: a live row outside the chunk changed"
-        )
-        written = zip(rows(before, START, START + fill), rows(padded, START, START + fill), strict=True)
+        chunk = case.slots(START, START + fill)
+        assert unchanged_outside(case, before, padded, chunk), f"fill {fill}: a live row outside the chunk changed"
+        written = zip(rows(before, chunk), rows(padded, chunk), strict=True)
         assert not any(torch.equal(old, new) for old, new in written), f"fill {fill}: the chunk's rows were not written"
-        scratch = zip(rows(before, SCRATCH, SCRATCH + 1), rows(padded, SCRATCH, SCRATCH + 1), strict=True)
+        scratch = zip(rows(before, case.scratch), rows(padded, case.scratch), strict=True)
         assert not any(torch.equal(old, new) for old, new in scratch), (
-            f"fill {fill}: padding did not use the scratch row"
+            f"fill {fill}: padding did not use the scratch block"
         )
+        prefix = case.slots(0, START + fill)
         _, full = case.shipped(case.second, seed=fill)  # same noise, same first chunk, no padding
-        for got, want in zip(rows(padded, 0, START + fill), rows(full, 0, START + fill), strict=True):
+        for got, want in zip(rows(padded, prefix), rows(full, case.slots(0, START + fill)), strict=True):
             assert torch.equal(got, want), f"fill {fill}: padded and unpadded chunks wrote different K/V"

@@ -2,14 +2,15 @@
 
 * 1 — static shapes: every call of a graph has the one signature of its `GraphSpec`, whatever the
   prompt length or the set of decoding slots; xla compiles each graph at most once per process.
-* 2 — one KV cache: every graph receives the engine's own tensors and updates them in place, at
-  ``(slot, position)`` rows only; no graph holds a cache of its own.
+* 2 — one KV cache: every graph receives the engine's own tensors and updates them in place, at the rows of its
+  sequences' blocks (and the scratch block) only; no graph holds a cache of its own; a sequence whose blocks are
+  scattered over the pool generates what it generates in contiguous ones.
 * 3 — one weight set: every graph computes with the engine's weight tensors themselves (an in-place
   change of a weight shows in every graph's output).
 * 4 — a short chunk writes exactly its real rows, bitwise equal to the same tokens in a full chunk, and its
-  padded columns only the slot's scratch row (`tests/contract/kv_inspection.py`).
+  padded columns only the scratch block (`tests/contract/kv_inspection.py`).
 * 9 — interleaving: slot 0 decodes while slot 1 is half-way through its chunked prefill; the token-
-  generation steps never touch slot 1's prefilled rows (its row writes to the scratch row), and both
+  generation steps never touch slot 1's prefilled rows (its row writes to the scratch block), and both
   slots generate what they generate alone.
 * parity: greedy tokens equal transformers' for every family and SmolLM2, chunked prefill (C = 8,
   S = 32) and context encoding at the boundary lengths; last-token logits within 1e-4 (fp32); a batch of
@@ -34,7 +35,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from optimum.neuron.graphs import GraphKind, example_inputs, graph_args, key_positions
+from optimum.neuron.graphs import GraphKind, example_inputs, graph_args
+from optimum.neuron.models.layers.kv_cache import SCRATCH_BLOCK
 from optimum.neuron.runtime.sampling import SamplingParams
 from tests.contract.engine_tools import (
     BACKENDS,
@@ -52,7 +54,8 @@ from tests.contract.engine_tools import (
     private_tensor_shapes,
     prompt,
     same,
-    slot_rows,
+    sequence_rows,
+    sequence_slots,
 )
 from tests.contract.kv_inspection import FAMILIES as KV_FAMILIES
 from tests.contract.kv_inspection import check_padded_chunk_writes
@@ -106,9 +109,10 @@ def test_graphs_are_called_with_their_static_shapes_only(backend: str) -> None:
         engine.step(work)
     assert {s.kind for s in engine.specs.values()} == {GraphKind.CHUNKED_PREFILL, GraphKind.TOKEN_GENERATION}
     for name, args in recorder.calls:
-        spec, window = engine.specs[name], call_window(args)
+        spec, window = engine.specs[name], call_window(args, engine.block_size)
         assert window in spec.windows, f"{name} was called in window {window}, not one of {spec.windows}"
-        inputs = {**example_inputs(spec), "key_positions": key_positions(window)}
+        table = torch.zeros(spec.batch, window // spec.block_size, dtype=torch.long)
+        inputs = {**example_inputs(spec), "block_table": table}
         expected = tuple(
             (tuple(t.shape), t.dtype) for t in flat_tensors(graph_args(spec.kind, inputs, engine.kv_cache))
         )
@@ -124,20 +128,20 @@ def test_graphs_are_called_with_their_static_shapes_only(backend: str) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_in_a_small_window_leaves_a_longer_prefill_intact(backend: str) -> None:
     """Invariant 9 with KV windows: "a" decodes in the smallest window while "b", mid-prefill, holds rows beyond it;
-    the token-generation row of b's slot writes to its scratch row, so b's rows stay bitwise intact."""
+    the token-generation row of b's slot writes to the scratch block, so b's rows stay bitwise intact."""
     engine = engine_for(backend)
     short, long, new, early = prompt(4, 3), prompt(3 * CHUNK + 3, 4), 5, 3
     expected = {"a": alone(engine, short, new + early), "b": alone(engine, long, new)}
-    a = engine.admit("a", short, GREEDY)
+    a = engine.admit("a", short, GREEDY, reuse=False)  # prefilled whole, though `alone` ran it before
     engine.step({"a": len(short)})
-    b = engine.admit("b", long, GREEDY)
+    b = engine.admit("b", long, GREEDY, reuse=False)
     engine.step({"b": 3 * CHUNK})
     assert b.computed > WINDOWS[0] > a.computed + early
-    prefilled = slot_rows(engine, b.slot, b.computed)  # type: ignore[arg-type]
+    prefilled = sequence_rows(engine, "b", b.computed)
     recorder = Recorder(engine)
     decode(engine, ["a"], early)
     assert [w for _, w in recorder.windows()] == [WINDOWS[0]] * early, "a's decodes did not run in the small window"
-    assert same(slot_rows(engine, b.slot, b.computed), prefilled), "a decode in a small window overwrote b's rows"  # type: ignore[arg-type]
+    assert same(sequence_rows(engine, "b", b.computed), prefilled), "a decode in a small window overwrote b's rows"
     engine.step({"b": b.pending})
     decode(engine, ["a", "b"], new - 1)
     assert a.generated == expected["a"], "a generated other tokens than alone"
@@ -148,14 +152,14 @@ def test_decode_in_a_small_window_leaves_a_longer_prefill_intact(backend: str) -
 def test_one_kv_cache_updated_in_place(backend: str) -> None:
     engine = engine_for(backend)
     recorder = Recorder(engine)
-    cache = engine.kv_cache
+    cache, block = engine.kv_cache, engine.block_size
     pointers = [t.data_ptr() for t in cache] if backend != "xla" else []  # XLA tensors have no host storage
     assert all(torch.count_nonzero(t.cpu()) == 0 for t in cache)
     length, steps = 2 * CHUNK + 3, 3
-    scratch = SEQUENCE_LENGTH
-    noise = torch.randn(cache[0][0, :, scratch].shape).to(cache[0].dtype)
-    for tensor in cache:  # marks slot 0's scratch row, to see the token-generation graph write there
-        tensor[0, :, scratch] = noise.to(tensor.device)
+    scratch = slice(SCRATCH_BLOCK * block, (SCRATCH_BLOCK + 1) * block)
+    noise = torch.randn(cache[0][scratch].shape).to(cache[0].dtype)
+    for tensor in cache:  # marks the scratch block, to see the idle row of the token-generation graph write there
+        tensor[scratch] = noise.to(tensor.device)
     engine.admit("hold", [3], GREEDY)  # slot 0, released before any graph runs: slot 0 is free below
     assert engine.admit("seq", prompt(length, 0), GREEDY).slot == 1
     engine.release("hold")
@@ -164,17 +168,43 @@ def test_one_kv_cache_updated_in_place(backend: str) -> None:
     assert engine.kv_cache is cache and [t.data_ptr() for t in cache if backend != "xla"] == pointers
     for received in recorder.caches():
         assert all(a is b for a, b in zip(received, cache, strict=True)), "a graph got other cache tensors"
-    written = length + steps  # the prompt and the fed tokens, slot 1
+    written = length + steps  # the prompt and the fed tokens
+    live = sequence_slots(engine, "seq", 0, written)
     for tensor in cache:
-        assert tensor.shape[2] == SEQUENCE_LENGTH + 1, "each slot holds S positions and its scratch row"
-        nonzero_rows = tensor.cpu().abs().sum(dim=(1, 3)) != 0  # [batch, sequence + scratch]
-        assert nonzero_rows[1, :written].all(), "a prompt or decode row of slot 1 was not written in place"
-        assert not nonzero_rows[1, written:scratch].any(), "slot 1 was written past its last token"
-        assert not nonzero_rows[0, :scratch].any(), "slot 0 (free) was written outside its scratch row"
-        assert not torch.equal(tensor[0, :, scratch].cpu(), noise), "the free slot's row missed its scratch row"
+        assert tuple(tensor.shape[:1]) == (engine.config.kv_blocks * block,), "the cache holds the pool's blocks"
+        nonzero_rows = tensor.cpu().abs().sum(dim=(1, 2)) != 0  # [slots]
+        assert nonzero_rows[live].all(), "a prompt or decode row of the sequence was not written in place"
+        nonzero_rows[live] = False
+        nonzero_rows[scratch] = False
+        assert not nonzero_rows.any(), "a row outside the sequence's positions and the scratch block was written"
+        assert not torch.equal(tensor[scratch].cpu(), noise), "the idle row and padded columns missed the scratch block"
     shapes = private_tensor_shapes(engine)
     kv_shape = tuple(cache[0].shape)
     assert shapes and kv_shape not in shapes, f"a graph holds a tensor shaped like the KV cache {kv_shape}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scattered_blocks_generate_transformers_tokens(backend: str) -> None:
+    """A sequence placed in blocks spread over the pool, out of order (as vLLM may place it), generates what
+    transformers generates; every other row of the cache is left as it was."""
+    engine = engine_for(backend, caller_blocks=True)
+    ids, new = prompt(2 * CHUNK + 5, 6), 7
+    blocks = [13, 2, 9, 5, 16, 7, 11, 3]  # positions 0..31; the pool has blocks 1..16
+    for tensor in engine.kv_cache:
+        tensor.copy_(torch.randn(tensor.shape, dtype=tensor.dtype).to(tensor.device))
+    before = [t.cpu().clone() for t in engine.kv_cache]
+    sequence = engine.admit("scattered", ids, GREEDY, blocks=blocks[:2])
+    engine.add_blocks("scattered", blocks[2:])
+    engine.step({"scattered": len(ids)})
+    decode(engine, ["scattered"], new - 1)
+    assert sequence.generated == hf_greedy(tiny_model("llama"), ids, new), f"blocks {blocks}"
+    written = sequence_slots(engine, "scattered", 0, len(ids) + new - 1)
+    for old, tensor in zip(before, engine.kv_cache, strict=True):
+        now = tensor.cpu()
+        keep = torch.ones(now.shape[0], dtype=torch.bool)
+        keep[written] = False
+        keep[SCRATCH_BLOCK * engine.block_size : (SCRATCH_BLOCK + 1) * engine.block_size] = False
+        assert torch.equal(now[keep], old[keep]), "a row outside the sequence's positions was written"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -186,7 +216,7 @@ def test_one_weight_set_bound_to_every_graph(backend: str) -> None:
     engine.weights["model.embed_tokens.weight"].zero_()  # in place: every hidden state and logit becomes 0
     assert torch.count_nonzero(prefill_logits(engine, ids)) == 0, "the prefill graph holds its own weights"
     for seq_id, length in (("a", len(ids)), ("b", 1)):
-        engine.admit(seq_id, ids[:length], GREEDY)
+        engine.admit(seq_id, ids[:length], GREEDY, reuse=False)
         engine.step({seq_id: length})
     tokens = engine.step({"a": 1, "b": 1}).tokens
     assert tokens == {"a": 0, "b": 0}, "the token-generation graph holds its own weights (all-zero logits pick id 0)"
@@ -201,17 +231,17 @@ def test_decode_while_another_slot_is_half_prefilled(backend: str) -> None:
     assert len(long) + new <= SEQUENCE_LENGTH
     for tensor in engine.kv_cache:  # stale rows of the runs above must not matter
         tensor.copy_(torch.randn(tensor.shape, dtype=tensor.dtype).to(tensor.device))
-    a = engine.admit("a", short, GREEDY)
+    a = engine.admit("a", short, GREEDY, reuse=False)  # prefilled whole, though `alone` ran it before
     engine.step({"a": len(short)})
-    b = engine.admit("b", long, GREEDY)
+    b = engine.admit("b", long, GREEDY, reuse=False)
     assert (a.slot, b.slot) == (0, 1)
     for together in (False, True):  # b's first two chunks: alone in a step, then beside a decode of a
-        live_a = slot_rows(engine, 0, a.computed)
+        live_a = sequence_rows(engine, "a", a.computed)
         engine.step({"b": CHUNK, "a": 1} if together else {"b": CHUNK})
-        assert same(slot_rows(engine, 0, live_a[0].shape[1]), live_a), "b's prefill overwrote a's rows"
-        prefilled = slot_rows(engine, 1, b.computed)
+        assert same(sequence_rows(engine, "a", live_a[0].shape[0]), live_a), "b's prefill overwrote a's rows"
+        prefilled = sequence_rows(engine, "b", b.computed)
         decode(engine, ["a"], 2)
-        assert same(slot_rows(engine, 1, b.computed), prefilled), "a decode step overwrote b's prefill"
+        assert same(sequence_rows(engine, "b", b.computed), prefilled), "a decode step overwrote b's prefill"
     engine.step({"b": b.pending})
     decode(engine, ["a", "b"], new - 1)
     assert a.generated == expected["a"], "a generated other tokens than alone"

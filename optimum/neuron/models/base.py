@@ -131,21 +131,22 @@ class StaticDecoder(nn.Module):
         spec: GraphSpec,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
+        slot_mapping: torch.Tensor,
         kv_cache: list[torch.Tensor],
-        key_positions: torch.Tensor | None,
-        seq_ids: torch.Tensor | None = None,
+        block_table: torch.Tensor | None,
         image_rows: ImageRows | None = None,
     ) -> torch.Tensor:
-        """Run graph ``spec.kind`` reading the cache through the KV window ``key_positions [W]`` (``None``: the
-        graph reads no earlier cache): prefill kinds return last-real-token logits ``[1, V]`` (every column's
-        ``[T, V]`` for an ``all_rows`` graph), splicing ``image_rows`` in when given; token generation returns
-        logits ``[B, V]`` (sampling is applied by `TokenGenerationGraph`)."""
+        """Run graph ``spec.kind``: each token writes its K/V at cache row ``slot_mapping`` and reads its sequence's
+        earlier positions through ``block_table`` (the blocks of the call's KV window; ``None``: the graph reads no
+        earlier cache). Prefill kinds return last-real-token logits ``[1, V]`` (every column's ``[T, V]`` for an
+        ``all_rows`` graph), splicing ``image_rows`` in when given; token generation returns logits ``[B, V]``
+        (sampling is applied by `TokenGenerationGraph`)."""
+        block = spec.block_size
         if spec.kind is GraphKind.TOKEN_GENERATION:
-            assert key_positions is not None, "token generation reads the cache"
-            ctx: AttentionContext = DecodeContext.build(position_ids, key_positions, self.windows)
+            assert block_table is not None, "token generation reads the cache"
+            ctx: AttentionContext = DecodeContext.build(position_ids, slot_mapping, block_table, block, self.windows)
             return self._logits(self._hidden(input_ids, position_ids, kv_cache, ctx)[:, -1])
-        assert seq_ids is not None, "prefill graphs take the slot id"
-        ctx = ChunkContext.build(seq_ids, position_ids, kv_cache[0].shape[2], key_positions, self.windows)
+        ctx = ChunkContext.build(position_ids, slot_mapping, block_table, block, self.windows)
         h = self._hidden(input_ids, position_ids, kv_cache, ctx, image_rows)
         if spec.all_rows:  # prompt logprobs: every column; the runtime keeps the real ones (actual-tokens mask)
             return self._logits(h[0])
@@ -175,11 +176,11 @@ class PrefillGraph(_Graph):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        seq_ids: torch.Tensor,
+        slot_mapping: torch.Tensor,
         kv_cache: list[torch.Tensor],
-        key_positions: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.decoder(self.spec, input_ids, position_ids, kv_cache, key_positions, seq_ids)
+        return self.decoder(self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table)
 
 
 class ImagePrefillGraph(_Graph):
@@ -190,14 +191,14 @@ class ImagePrefillGraph(_Graph):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        seq_ids: torch.Tensor,
+        slot_mapping: torch.Tensor,
         image_embeds: torch.Tensor,
         image_mask: torch.Tensor,
         kv_cache: list[torch.Tensor],
-        key_positions: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         images = (image_embeds, image_mask)
-        return self.decoder(self.spec, input_ids, position_ids, kv_cache, key_positions, seq_ids, images)
+        return self.decoder(self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table, images)
 
 
 class TokenGenerationGraph(_Graph):
@@ -207,14 +208,15 @@ class TokenGenerationGraph(_Graph):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
+        slot_mapping: torch.Tensor,
         kv_cache: list[torch.Tensor],
-        key_positions: torch.Tensor,
+        block_table: torch.Tensor,
         temperature: torch.Tensor | None = None,
         top_k: torch.Tensor | None = None,
         top_p: torch.Tensor | None = None,
         uniforms: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        logits = self.decoder(self.spec, input_ids, position_ids, kv_cache, key_positions)
+        logits = self.decoder(self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table)
         if not self.spec.samples_on_device:
             return logits
         assert temperature is not None and top_k is not None and top_p is not None and uniforms is not None

@@ -2,7 +2,9 @@
 
 Its whole API is what ``generate()`` and the vLLM runner need:
 
-* `Engine.admit` a prompt under a caller's id (the prompt and sampling checked, then a KV slot taken, last);
+* `Engine.admit` a prompt under a caller's id (the prompt and sampling checked, then its KV blocks and a slot taken,
+  last): the engine places it in blocks of its own pool, reusing cached blocks of an earlier prompt with the same
+  prefix, or in the blocks the caller gives (vLLM's KV cache manager, `add_blocks` as it grows);
 * `Engine.step` with how many pending tokens of which sequences to feed: the engine runs the
   token-generation graph once for every sequence that is decoding, then the prefill graph for each
   prefill range (split into chunks, the last one padded), samples, and says what it produced (tokens,
@@ -26,15 +28,17 @@ import torch
 from ..artifact import Artifact, allocate_cache, assemble
 from ..backends import get_backend
 from ..errors import InputError
-from ..graphs import GraphKind, GraphSpec, graph_args, graph_specs, key_positions, prefill_kind, select_graph
+from ..graphs import GraphKind, GraphSpec, graph_args, graph_specs, prefill_kind, select_graph
 from ..models.base import StaticDecoder, graph_module
 from ..models.layers.masks import actual_tokens_mask
 from ..models.registry import language_config
 from .admission import Admission
 from .images import ImageInput, SequenceImages
 from .logprobs import PromptScorer, token_logprobs
-from .padding import decode_rows, pad_chunk, pad_image_rows, pad_tiles, split_chunks
+from .blocks import BlockPool
+from .padding import DecodeRow, chunk_slots, decode_rows, pad_chunk, pad_image_rows, pad_tiles, split_chunks, table_rows
 from .parallel import tensor_parallel_rank
+from .placement import CallerPlacement, Placement, PooledPlacement
 from .sampling import HostSampler, SamplingParams, SequenceSampler, sample_on_host, sampling_tensors
 from .sequence import Checkpoint, SeqId, Sequence, StepResult
 from .slots import SlotTable
@@ -48,7 +52,10 @@ HostRows = dict[int, tuple[Sequence, torch.Tensor]]
 class Engine:
     """Runs an artifact's graphs for up to ``batch_size`` sequences over one shared KV cache."""
 
-    def __init__(self, artifact: Artifact) -> None:
+    def __init__(self, artifact: Artifact, *, caller_blocks: bool = False, prefix_cache: bool = True) -> None:
+        """Load ``artifact``. Sequences are placed in the KV cache by the engine's own block pool, with prefix caching
+        unless ``prefix_cache`` is off (an artifact without a chunked-prefill graph has none); with ``caller_blocks``
+        the caller gives every sequence its blocks instead (vLLM)."""
         self.artifact = artifact
         self.config = artifact.config
         self.model_config = artifact.hf_config()
@@ -62,6 +69,16 @@ class Engine:
         self.weights = artifact.load_weights(self.model_config, self.device, self.rank)
         self.kv_cache = allocate_cache(self.hf_config, self.config, self.device)
         self.slots = SlotTable(self.config.batch_size)
+        self.block_size = self.config.block_size
+        self.pool: BlockPool | None = None
+        """The engine's own block pool (None when the caller places the blocks)."""
+        self.placement: Placement
+        if caller_blocks:
+            self.placement = CallerPlacement(self.config.kv_blocks, self.block_size)
+        else:
+            self.pool = BlockPool(self.config.kv_blocks, self.block_size)
+            chunked = self.prefill_kind is GraphKind.CHUNKED_PREFILL
+            self.placement = PooledPlacement(self.pool, reuse=prefix_cache and chunked)
         self._sequences: dict[SeqId, Sequence] = {}
         self._decoder: StaticDecoder | None = None
         self.specs = {spec.name: spec for spec in graph_specs(self.config)}
@@ -102,22 +119,61 @@ class Engine:
 
     # --- sequence lifetime ----------------------------------------------------------------------
 
-    def admit(self, seq_id: SeqId, prompt: Seq[int], params: SamplingParams, images: Seq[ImageInput] = ()) -> Sequence:
-        """Take a KV slot for a new sequence (with the ``images`` whose rows its prompt's placeholders take, for an
-        image-text artifact). `InputError` for a prompt, images or sampling the artifact cannot serve, `SlotError`
-        when every slot is taken. Everything that can fail runs before the slot is taken, last: nothing is held
-        after an error."""
+    def admit(
+        self,
+        seq_id: SeqId,
+        prompt: Seq[int],
+        params: SamplingParams,
+        images: Seq[ImageInput] = (),
+        *,
+        blocks: Seq[int] | None = None,
+        computed: int = 0,
+        reserve: int = 0,
+        reuse: bool = True,
+    ) -> Sequence:
+        """Take a slot and KV blocks for a new sequence (with the ``images`` whose rows its prompt's placeholders take,
+        for an image-text artifact). The engine's own placement takes the cached blocks of the prompt's longest cached
+        prefix (unless ``reuse`` is off) and new blocks for ``reserve`` positions (at least the prompt); a caller that
+        places blocks gives them, ``blocks``, with the ``computed`` tokens already in them. `InputError` for a prompt,
+        images, sampling or placement the artifact cannot serve, `SlotError` when every slot is taken or the pool is
+        full. Everything that can fail runs before the slot is taken, last: nothing is held after an error."""
         if seq_id in self._sequences:
             raise InputError(f"sequence {seq_id!r} is already admitted: release it first, or use another id.")
         tokens = self.admission.check(prompt, params, images)
         sampler = SequenceSampler(params)
         scorer = None if params.prompt_logprobs is None else PromptScorer(list(tokens), params.prompt_logprobs)
         pictures = None if self.image_limits is None else SequenceImages(list(images))
-        slot = self.slots.acquire(seq_id)  # last: nothing after it can fail
         capacity = self.config.sequence_length
-        sequence = Sequence(seq_id, slot, tokens, len(tokens), capacity, sampler, scorer=scorer, images=pictures)
+        sequence = Sequence(seq_id, None, tokens, len(tokens), capacity, sampler, scorer=scorer, images=pictures)
+        self._place(sequence, blocks, computed, reserve, reuse)
+        sequence.slot = self._take_slot(sequence)
         self._sequences[seq_id] = sequence
         return sequence
+
+    def _place(self, sequence: Sequence, blocks: Seq[int] | None, computed: int, reserve: int, reuse: bool) -> None:
+        """Give ``sequence`` its blocks (`placement`): the caller's, or the engine's own pool's."""
+        if isinstance(self.placement, CallerPlacement):
+            if blocks is None:
+                raise InputError(f"sequence {sequence.seq_id!r}: this engine's caller places blocks; pass blocks=.")
+            self.placement.admit(sequence, blocks, computed)
+        elif blocks is not None or computed:
+            raise InputError("this engine places sequences itself: admit without blocks= or computed=.")
+        else:
+            self.placement.admit(sequence, reserve, reuse)
+
+    def _take_slot(self, sequence: Sequence) -> int:
+        """A slot for ``sequence``, placed already; its blocks are given back when no slot is free."""
+        try:
+            return self.slots.acquire(sequence.seq_id)
+        except Exception:
+            self.placement.free(sequence)
+            raise
+
+    def add_blocks(self, seq_id: SeqId, blocks: Seq[int]) -> None:
+        """Append ``blocks`` to the blocks of ``seq_id`` (a caller that places blocks: vLLM allocated them)."""
+        if not isinstance(self.placement, CallerPlacement):
+            raise InputError("this engine places sequences itself: add_blocks is for a caller that places blocks.")
+        self.placement.extend(self.sequence(seq_id), blocks)
 
     def sequence(self, seq_id: SeqId) -> Sequence:
         """The admitted sequence ``seq_id`` (read it; only the engine changes it)."""
@@ -126,13 +182,14 @@ class Engine:
         return self._sequences[seq_id]
 
     def release(self, seq_id: SeqId) -> None:
-        """Forget ``seq_id`` and free its slot; its stale cache rows are never read again. Releasing an
-        unknown id does nothing (vLLM reports aborts of requests that never reached the model)."""
+        """Forget ``seq_id`` and free its slot and blocks (the engine's own pool keeps their registered contents for
+        reuse). Releasing an unknown id does nothing (vLLM reports aborts of requests that never reached the model)."""
         sequence = self._sequences.pop(seq_id, None)
         if sequence is not None and sequence.images is not None:
             sequence.images.drop()
         if sequence is not None and sequence.slot is not None:
             self.slots.release(sequence.slot)
+            self.placement.free(sequence)
 
     @property
     def cached_images(self) -> int:
@@ -140,33 +197,42 @@ class Engine:
         return sum(len(s.images.cache) for s in self._sequences.values() if s.images is not None)
 
     def preempt(self, seq_id: SeqId) -> None:
-        """Free the slot of ``seq_id`` but keep its tokens and sampler; `resume` recomputes its cache."""
+        """Free the slot and blocks of ``seq_id`` but keep its tokens and sampler; `resume` recomputes its cache."""
         sequence = self._sequences.get(seq_id)
         if sequence is not None and sequence.slot is not None:
             self.slots.release(sequence.slot)
+            self.placement.free(sequence)
             sequence.slot, sequence.computed = None, 0
             if sequence.images is not None:  # recomputed from position 0: its images are encoded again
                 sequence.images.drop()
             if sequence.scorer is not None:  # its prompt rows are computed again from position 0
                 sequence.scorer.reset()
 
-    def resume(self, seq_id: SeqId, tokens: Seq[int] | None = None) -> Sequence:
-        """Give a preempted sequence a slot again, from cache position 0; ``tokens`` replaces its token
-        list when given (vLLM sends every token so far: they pass `admit`'s prompt checks and hold at least the
-        prompt). Nothing changes after an error."""
+    def resume(
+        self, seq_id: SeqId, tokens: Seq[int] | None = None, *, blocks: Seq[int] | None = None, computed: int = 0
+    ) -> Sequence:
+        """Give a preempted sequence a slot and blocks again (as `admit` places them: cached blocks of its prefix, or
+        the caller's ``blocks`` with ``computed`` tokens in them); ``tokens`` replaces its token list when given (vLLM
+        sends every token so far: they pass `admit`'s prompt checks and hold at least the prompt). Nothing changes
+        after an error."""
         sequence = self.sequence(seq_id)
         if sequence.slot is not None:
-            raise InputError(f"sequence {seq_id!r} was not preempted: it still holds KV slot {sequence.slot}.")
+            raise InputError(f"sequence {seq_id!r} was not preempted: it still holds slot {sequence.slot}.")
         checked = None if tokens is None else self.admission.checked_prompt(tokens)
         if checked is not None and len(checked) < sequence.prompt_len:
             raise InputError(
                 f"sequence {seq_id!r} resumes with {len(checked)} tokens, fewer than its {sequence.prompt_len}-token "
                 "prompt: pass every token so far (the prompt, then the tokens it sampled)."
             )
-        slot = self.slots.acquire(seq_id)
+        kept = sequence.tokens
         if checked is not None:
             sequence.tokens = checked
-        sequence.slot, sequence.computed = slot, 0
+        try:
+            self._place(sequence, blocks, computed, 0, True)
+            sequence.slot = self._take_slot(sequence)
+        except Exception:
+            sequence.tokens, sequence.computed = kept, 0
+            raise
         return sequence
 
     # --- one step -------------------------------------------------------------------------------
@@ -180,15 +246,20 @@ class Engine:
         Atomic: it returns, or raises leaving every sequence exactly as before the call (tokens, ``computed``,
         generator state, prompt scorer, cached image rows: a `Checkpoint` of each scheduled sequence is restored), so
         the same step can be retried. Cache rows a failed step wrote lie at or past each sequence's restored
-        ``computed``, where nothing reads before the retry writes them again."""
+        ``computed``, where nothing reads before the retry writes them again; blocks the step gave a sequence stay
+        with it (the retry uses them). After a step, the blocks it filled are registered for prefix caching."""
         decodes, prefills = self._plan(work, sampler)
-        saved = [Checkpoint.of(s) for s in (*decodes, *(s for s, _ in prefills))]
+        stepped = [*decodes, *(s for s, _ in prefills)]
+        saved = [Checkpoint.of(s) for s in stepped]
         try:
-            return self._run(decodes, prefills, sampler)
+            result = self._run(decodes, prefills, sampler)
         except BaseException:
             for checkpoint in saved:
                 checkpoint.restore()
             raise
+        for sequence in stepped:
+            self.placement.commit(sequence)
+        return result
 
     def _run(
         self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]], sampler: HostSampler | None
@@ -208,11 +279,13 @@ class Engine:
     def _plan(
         self, work: Mapping[Any, int], sampler: HostSampler | None
     ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-        """Split ``work`` into decodes and prefill ranges, refusing any that the graphs cannot run."""
+        """Split ``work`` into decodes and prefill ranges, refusing any that the graphs cannot run, and give each
+        sequence the blocks its positions need."""
         decodes, prefills = [], []
         for seq_id, count in work.items():
             sequence = self.sequence(seq_id)
             self._check_work(sequence, count)
+            self.placement.ensure(sequence, sequence.computed + count)
             if sampler is None and sequence.sampler.params.host is not None:
                 raise InputError(f"sequence {seq_id!r} is sampled by a HostSampler: pass one to step().")
             if sequence.decoding and count == 1:
@@ -242,22 +315,21 @@ class Engine:
             )
 
     def _decode(self, decodes: list[Sequence], result: StepResult, host: HostRows) -> None:
-        """One token-generation call: row b is KV slot b; rows without a decoding sequence write to their
-        slot's scratch row, which nothing reads (invariant 9). The graph sampling on device runs unless a
-        decoding sequence needs its logits on the host: then the graph returning logits runs and its rows are
-        sampled on the host with the same rule and uniforms (or, for rows put in ``host``, by the HostSampler)."""
+        """One token-generation call: row b is the sequence holding slot b; rows without a decoding sequence write to
+        the scratch block, which nothing reads (invariant 9). The graph sampling on device runs unless a decoding
+        sequence needs its logits on the host: then the graph returning logits runs and its rows are sampled on the
+        host with the same rule and uniforms (or, for rows put in ``host``, by the HostSampler)."""
         by_slot = {_held(s): s for s in decodes}
-        active = {slot: (s.tokens[-1], s.computed) for slot, s in by_slot.items()}
-        ids, positions = decode_rows(self.config.batch_size, active, self.config.sequence_length)
         ours = {slot for slot, s in by_slot.items() if s.sampler.params.host is None}
         rows = [by_slot[slot].sampler if slot in ours else None for slot in range(self.config.batch_size)]
         reach = max(s.computed for s in decodes) + 1  # each row reads up to its own new position
         logits_graph = any(s.sampler.params.needs_logits for s in decodes)
         spec, window = self._graph(GraphKind.TOKEN_GENERATION, reach, logits=logits_graph)
-        inputs = {"input_ids": ids, "position_ids": positions}
+        active = {slot: DecodeRow(s.tokens[-1], s.computed, s.blocks) for slot, s in by_slot.items()}
+        inputs = decode_rows(self.config.batch_size, active, window // self.block_size, self.block_size)
         if spec.samples_on_device:
             inputs.update(sampling_tensors(rows, self.config.max_topk))
-        out = self._call(spec, window, inputs)
+        out = self._call(spec, inputs)
         logits = None if spec.samples_on_device else out.float().cpu()
         tokens = out.cpu() if logits is None else sample_on_host(logits, rows, self.config.max_topk)
         for slot, sequence in by_slot.items():
@@ -300,11 +372,14 @@ class Engine:
         ``[1, V]``, or with ``all_rows`` those of every real row ``[n, V]`` (the actual-tokens mask drops the padded
         ones). An image-text artifact's call also takes the chunk's image rows."""
         ids, positions = pad_chunk(token_ids, start, self.chunk_size)
-        inputs = {"input_ids": ids, "position_ids": positions, "seq_ids": torch.tensor([_held(sequence)])}
+        slots = chunk_slots(sequence.blocks, start, len(token_ids), self.chunk_size, self.block_size)
+        inputs = {"input_ids": ids, "position_ids": positions, "slot_mapping": slots}
         if sequence.images is not None:
             inputs.update(self._image_rows(sequence, start, len(token_ids), result))
         spec, window = self._graph(self.prefill_kind, start, all_rows=all_rows)  # it reads positions [0, start)
-        out = self._call(spec, window, inputs).float().cpu()
+        if window:
+            inputs["block_table"] = table_rows([sequence.blocks], window // self.block_size)
+        out = self._call(spec, inputs).float().cpu()
         return out[actual_tokens_mask(positions)[0]] if all_rows else out
 
     def _image_rows(self, sequence: Sequence, start: int, count: int, result: StepResult) -> dict[str, torch.Tensor]:
@@ -326,7 +401,7 @@ class Engine:
         graph's tiles (`padding.pad_tiles`), the rows of filler tiles dropped."""
         spec, _ = self._graph(GraphKind.VISION_ENCODER, 0)
         batches = pad_tiles(pixels.to(self.config.torch_dtype), spec.batch)
-        rows = torch.cat([self._call(spec, 0, {"pixel_values": batch}) for batch in batches])
+        rows = torch.cat([self._call(spec, {"pixel_values": batch}) for batch in batches])
         return rows[: pixels.shape[0] * rows.shape[0] // (spec.batch * len(batches))]
 
     def _sample_on_host(self, sampler: HostSampler, host: HostRows, result: StepResult) -> None:
@@ -339,10 +414,8 @@ class Engine:
         for slot, (sequence, row) in host.items():
             self._append(sequence, int(tokens[slot]), result, row, scored[slot])
 
-    def _call(self, spec: GraphSpec, window: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Run graph ``spec`` in KV window ``window`` (0: the graph reads no earlier cache)."""
-        if window:
-            inputs = {**inputs, "key_positions": key_positions(window)}
+    def _call(self, spec: GraphSpec, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Run graph ``spec`` on ``inputs`` (a graph reading the cache: in the KV window of its ``block_table``)."""
         placed = {k: v.to(self.device) for k, v in inputs.items()}
         return self.graphs[spec.name](*graph_args(spec.kind, placed, self.kv_cache))
 

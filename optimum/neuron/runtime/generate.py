@@ -37,16 +37,27 @@ def generate(
     params: SamplingParams,
     eos_token_ids: set[int],
     images: Seq[Seq[ImageInput]] | None = None,
+    use_prefix_cache: bool = True,
 ) -> Generation:
     """New tokens (and, with ``params.return_logits``, their logits) for each prompt (``images[i]``: the images of
-    prompt i, image-text artifacts); every slot taken is given back, whatever happens."""
+    prompt i, image-text artifacts). Each sequence takes, when admitted, the KV blocks of its whole run (prompt and
+    ``max_new_tokens``), so a full pool is refused before anything runs; the blocks of a prompt prefix an earlier call
+    computed are reused unless ``use_prefix_cache`` is off. Every slot and block taken is given back, whatever
+    happens."""
     _check_batch(engine, prompts, max_new_tokens)
     call = object()  # this call's sequence ids cannot clash with anyone else's
     ids = [(call, row) for row in range(len(prompts))]
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     try:
         sequences = [
-            engine.admit(ids[row], p, _row_params(params, row), images[row] if images else ())
+            engine.admit(
+                ids[row],
+                p,
+                _row_params(params, row),
+                images[row] if images else (),
+                reserve=len(p) + max_new_tokens,
+                reuse=use_prefix_cache,
+            )
             for row, p in enumerate(prompts)
         ]
         work = {s.seq_id: s.pending for s in sequences}

@@ -16,6 +16,8 @@ cached rows go with the sequence when it is released or preempted.
 from __future__ import annotations
 
 import bisect
+import functools
+import hashlib
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +38,13 @@ class ImageInput:
     """Its tiles, ``[t, 3, S, S]``, in the order of their placeholders."""
     positions: tuple[int, ...]
     """The prompt positions its rows go to, increasing: ``t * rows_per_tile`` of them."""
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """SHA-256 of its pixels (dtype, shape and bytes): what tells two images apart in a prefix-cache key."""
+        pixels = self.pixels.detach().cpu().contiguous()
+        header = f"{pixels.dtype}{tuple(pixels.shape)}".encode()
+        return hashlib.sha256(header + pixels.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,16 @@ class SequenceImages:
             if high == len(image.positions):  # the chunk holds its last position: consumed
                 del self.cache[index]
         return encoded, rows, mask
+
+    def keys(self, start: int, end: int) -> tuple[tuple[str, int], ...] | None:
+        """The prefix-cache keys of the images with a position in ``[start, end)``: each image's digest and first
+        position (None when there is none), so that blocks holding other images never share a hash."""
+        found = tuple(
+            (image.digest, image.positions[0])
+            for image in self.images
+            if bisect.bisect_left(image.positions, start) < bisect.bisect_left(image.positions, end)
+        )
+        return found or None
 
     def drop(self) -> None:
         """Forget every cached row (the sequence ends, or is preempted and will be recomputed)."""

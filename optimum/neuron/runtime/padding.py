@@ -5,9 +5,16 @@ Used by `generate()` and by the vLLM runner alike.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 
 from ..errors import InputError
+from ..models.layers.kv_cache import SCRATCH_BLOCK
+
+SCRATCH_SLOT = 0
+"""The cache row every write of a token that is not real goes to: the scratch block's first (nothing reads it)."""
 
 
 def pad_chunk(token_ids: list[int], start: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,20 +37,53 @@ def split_chunks(token_ids: list[int], start: int, size: int) -> list[tuple[list
     return [(token_ids[i : i + size], start + i) for i in range(0, len(token_ids), size)]
 
 
-def decode_rows(
-    batch_size: int, active: dict[int, tuple[int, int]], sequence_length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs of the token-generation graph: row ``b`` is KV slot ``b``.
+def slots_of(blocks: Sequence[int], positions: Sequence[int], block_size: int) -> list[int]:
+    """The cache rows of ``positions`` of a sequence holding ``blocks``: ``blocks[p // block_size] * block_size +
+    p % block_size`` (the one position -> slot rule)."""
+    return [blocks[p // block_size] * block_size + p % block_size for p in positions]
 
-    ``active`` maps slot -> (token id, position) for the rows that decode. Every other row (a free
-    slot, a slot half-way through its prefill, a sequence not scheduled this step) is token 0 at the
-    slot's scratch position ``sequence_length``, which nothing reads (invariant 9).
-    """
+
+def chunk_slots(blocks: Sequence[int], start: int, count: int, size: int, block_size: int) -> torch.Tensor:
+    """``slot_mapping [1, size]`` of a prefill chunk whose ``count`` real tokens sit at positions ``[start, start +
+    count)``: their slots, then the scratch block's first slot for each padded column, so a token that is not real
+    writes where no sequence reads (invariant 4)."""
+    real = slots_of(blocks, range(start, start + count), block_size)
+    return torch.tensor([real + [SCRATCH_SLOT] * (size - count)], dtype=torch.long)
+
+
+def table_rows(tables: Sequence[Sequence[int] | None], width: int) -> torch.Tensor:
+    """``block_table [len(tables), width]``: row i lists the first ``width`` blocks of ``tables[i]``, then the scratch
+    block (never read: positions past a sequence's own are masked); a None row is all scratch."""
+    table = torch.full((len(tables), width), SCRATCH_BLOCK, dtype=torch.long)
+    for row, blocks in enumerate(tables):
+        if blocks:
+            used = list(blocks[:width])
+            table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
+    return table
+
+
+class DecodeRow(NamedTuple):
+    """One decoding sequence's row of the token-generation graph."""
+
+    token: int
+    position: int
+    blocks: Sequence[int]
+
+
+def decode_rows(batch_size: int, active: dict[int, DecodeRow], width: int, block_size: int) -> dict[str, torch.Tensor]:
+    """Inputs of the token-generation graph (``input_ids``, ``position_ids``, ``slot_mapping`` ``[B, 1]`` and
+    ``block_table [B, width]``): row ``b`` decodes ``active[b]``. Every other row (a free slot, a sequence half-way
+    through its prefill, one not scheduled this step) is token 0 at position 0, written to the scratch block and
+    reading only the scratch block (invariant 9)."""
     ids = torch.zeros(batch_size, 1, dtype=torch.long)
-    positions = torch.full((batch_size, 1), sequence_length, dtype=torch.long)
-    for slot, (token, position) in active.items():
-        ids[slot, 0], positions[slot, 0] = token, position
-    return ids, positions
+    positions = torch.zeros(batch_size, 1, dtype=torch.long)
+    slots = torch.full((batch_size, 1), SCRATCH_SLOT, dtype=torch.long)
+    tables: list[Sequence[int] | None] = [None] * batch_size
+    for row, (token, position, blocks) in active.items():
+        ids[row, 0], positions[row, 0] = token, position
+        slots[row, 0] = slots_of(blocks, [position], block_size)[0]
+        tables[row] = blocks
+    return {"input_ids": ids, "position_ids": positions, "slot_mapping": slots, "block_table": table_rows(tables, width)}
 
 
 def pad_tiles(pixels: torch.Tensor, size: int) -> list[torch.Tensor]:

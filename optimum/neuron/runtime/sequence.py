@@ -1,7 +1,7 @@
 """What the engine knows about one sequence, and what one engine step produced.
 
 A `Sequence` is owned by the `Engine`: callers read it, only the engine changes it. Its fields are the
-whole bookkeeping of a sequence (there is no second copy anywhere): its KV slot, its tokens (prompt,
+whole bookkeeping of a sequence (there is no second copy anywhere): its slot and KV blocks, its tokens (prompt,
 then every token sampled), how many of them are in the cache, its seeded sampler, and (when its prompt logprobs
 are asked) the prompt rows scored so far. A `Checkpoint` is what an engine step may change in it, taken before the
 step runs and put back if the step fails (`Engine.step` is atomic).
@@ -28,19 +28,25 @@ class Sequence:
 
     seq_id: SeqId
     slot: int | None
-    """Its KV slot; None while preempted (it holds no cache rows then)."""
+    """Its slot: its row of the token-generation graph (at most ``batch_size`` sequences are admitted at once); None
+    while preempted (it then holds no blocks either)."""
     tokens: list[int]
     """The prompt, then every token sampled so far."""
     prompt_len: int
     capacity: int
-    """Cache rows of a slot (the artifact's ``sequence_length``)."""
+    """Positions a sequence can hold (the artifact's ``sequence_length``)."""
     sampler: SequenceSampler
     computed: int = 0
-    """Tokens whose K/V are in the slot's cache: also the cache position the next token is written at."""
+    """Tokens whose K/V are in its blocks: also the position the next token is written at."""
     scorer: PromptScorer | None = None
     """Its prompt logprobs while they are gathered (None when not asked, or once returned)."""
     images: SequenceImages | None = None
     """Its images and their cached rows (image-text artifacts; None for a text-only one)."""
+    blocks: list[int] = field(default_factory=list)
+    """Its blocks of the paged KV cache, in position order: block ``i`` holds positions ``[i * block_size, (i + 1) *
+    block_size)`` (`runtime.placement`); empty while preempted."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """The prefix-cache hashes of its first full, computed blocks, in order (the engine's own placement only)."""
 
     @property
     def pending(self) -> int:

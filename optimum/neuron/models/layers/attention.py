@@ -1,15 +1,16 @@
-"""Self-attention over the shared KV cache, for one graph kind at a time.
+"""Self-attention over the shared paged KV cache, for one graph kind at a time.
 
-`DecodeContext` (token generation: one token per slot, row b is slot b) and `ChunkContext`
-(context encoding / chunked prefill: one sequence's chunk) hold the per-call masks and positions;
+`DecodeContext` (token generation: one token per batch row) and `ChunkContext` (context encoding / chunked prefill:
+one sequence's chunk) hold the per-call masks, the cache slot each token writes and the block table each row reads;
 each layer's `Attention` asks its context to attend and to write the new K/V into the cache.
 
 A context holds one mask per attention window its decoder uses: the full-attention mask and one per
 sliding window (`masks.chunk_window_mask`, `masks.decode_window_mask`). Each layer passes its own window
 (``None``: full attention) and gets exactly that mask (`mask_for`); the cache and its writes are the same.
 
-Reads go through the call's **KV window** ``[0, W)`` (``W = len(key_positions)``): a slice of the one cache,
-never a copy of it; writes go to any position of the cache (live positions below ``W``, the scratch row beyond).
+Reads go through the call's **KV window** ``[0, W)``: the first ``W / block_size`` blocks of each row's table,
+gathered (`kv_cache.read_blocks`); writes go to each token's slot (`slot_mapping`: a live position of the
+sequence's blocks, or the scratch block for a token that is not real).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kv_cache import read_slot, scratch_position, write_rows
-from .masks import chunk_mask, chunk_window_mask, chunk_write_positions, decode_mask, decode_window_mask
+from .kv_cache import read_blocks, write_slots
+from .masks import chunk_mask, chunk_window_mask, decode_mask, decode_window_mask
 from .rope import apply_rotary
 
 
@@ -45,20 +46,35 @@ def attention_dims(hf_config: Any) -> AttentionDims:
     return AttentionDims(hf_config.hidden_size, heads, kv_heads, head_dim)
 
 
+def window_keys(table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The positions ``[0, W)`` a block table ``[B, W / block_size]`` covers: the keys of the call's KV window."""
+    return torch.arange(table.shape[1] * block_size, device=table.device)
+
+
 @dataclass
 class DecodeContext:
-    """Token generation: row ``b`` of the batch is KV slot ``b`` and writes at ``positions[b]`` (a row
-    without a decoding sequence comes at the scratch position: `runtime.padding.decode_rows`)."""
+    """Token generation: row ``b`` decodes the sequence whose blocks ``table[b]`` lists and writes its token at cache
+    row ``slots[b]`` (a row without a decoding sequence has an all-scratch table and slot:
+    `runtime.padding.decode_rows`)."""
 
-    positions: torch.Tensor  # [B, 1]
-    keys: torch.Tensor  # [W]: the cache positions of the KV window
+    slots: torch.Tensor  # [B, 1]
+    table: torch.Tensor  # [B, W / block_size]
+    block_size: int
     mask: torch.Tensor  # [B, 1, 1, W]
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask
 
     @classmethod
-    def build(cls, position_ids: torch.Tensor, keys: torch.Tensor, windows: Iterable[int] = ()) -> DecodeContext:
+    def build(
+        cls,
+        position_ids: torch.Tensor,
+        slots: torch.Tensor,
+        table: torch.Tensor,
+        block_size: int,
+        windows: Iterable[int] = (),
+    ) -> DecodeContext:
+        keys = window_keys(table, block_size)
         windowed = {w: decode_window_mask(position_ids, keys, w) for w in windows}
-        return cls(position_ids, keys, decode_mask(position_ids, keys), windowed)
+        return cls(slots, table, block_size, decode_mask(position_ids, keys), windowed)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The mask of a layer with sliding window ``window`` (``None``: full attention)."""
@@ -73,39 +89,38 @@ class DecodeContext:
         window: int | None = None,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V, then attend over each slot's KV window (within ``window`` positions of its own
+        """Write this step's K/V, then attend over each row's KV window (within ``window`` positions of its own
         for a sliding-window layer)."""
-        rows = torch.arange(q.shape[0], device=q.device)
-        write_rows(caches[0], rows, self.positions, k)
-        write_rows(caches[1], rows, self.positions, v)
-        mask, size = self.mask_for(window), self.keys.shape[0]
-        keys, values = caches[0][:, :, :size], caches[1][:, :, :size]
+        write_slots(caches[0], self.slots, k)
+        write_slots(caches[1], self.slots, v)
+        keys, values = (read_blocks(cache, self.table, self.block_size) for cache in caches)
+        mask = self.mask_for(window)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 @dataclass
 class ChunkContext:
-    """A prefill chunk of slot ``seq_ids[0]``; keys are ``[slot cache | chunk]``; padded columns write
-    to the slot's scratch row (invariant 4)."""
+    """A prefill chunk of one sequence; keys are ``[its KV window | the chunk]``; each column writes at
+    ``slots[0, t]`` (padded columns: the scratch block, invariant 4)."""
 
-    seq_ids: torch.Tensor  # [1]
-    positions: torch.Tensor  # [1, C]: where each column writes
-    keys: torch.Tensor | None  # [W]: the cache positions of the KV window; None: no earlier cache is read
+    slots: torch.Tensor  # [1, C]
+    table: torch.Tensor | None  # [1, W / block_size]; None: no earlier cache is read (context encoding)
+    block_size: int
     mask: torch.Tensor  # [1, 1, C, W + C] or [1, 1, C, C]
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask
 
     @classmethod
     def build(
         cls,
-        seq_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        cache_len: int,
-        keys: torch.Tensor | None,
+        slots: torch.Tensor,
+        table: torch.Tensor | None,
+        block_size: int,
         windows: Iterable[int] = (),
     ) -> ChunkContext:
-        writes = chunk_write_positions(position_ids, scratch_position(cache_len))
+        keys = None if table is None else window_keys(table, block_size)
         windowed = {w: chunk_window_mask(position_ids, keys, w) for w in windows}
-        return cls(seq_ids, writes, keys, chunk_mask(position_ids, keys), windowed)
+        return cls(slots, table, block_size, chunk_mask(position_ids, keys), windowed)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The mask of a layer with sliding window ``window`` (``None``: full attention)."""
@@ -120,17 +135,16 @@ class ChunkContext:
         window: int | None = None,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """Attend over the slot's KV window and the chunk's own K/V (within ``window`` positions of each query for
+        """Attend over the sequence's KV window and the chunk's own K/V (within ``window`` positions of each query for
         a sliding-window layer), then store the chunk's K/V."""
         keys, values = k, v
-        if self.keys is not None:
-            size = self.keys.shape[0]
-            keys = torch.cat((read_slot(caches[0], self.seq_ids, size), k), dim=2)
-            values = torch.cat((read_slot(caches[1], self.seq_ids, size), v), dim=2)
+        if self.table is not None:
+            keys = torch.cat((read_blocks(caches[0], self.table, self.block_size), k), dim=2)
+            values = torch.cat((read_blocks(caches[1], self.table, self.block_size), v), dim=2)
         mask = self.mask_for(window)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        write_rows(caches[0], self.seq_ids, self.positions, k)
-        write_rows(caches[1], self.seq_ids, self.positions, v)
+        write_slots(caches[0], self.slots, k)
+        write_slots(caches[1], self.slots, v)
         return out
 
 

@@ -8,9 +8,11 @@ Sliding-window layers (mistral, qwen2 ``max_window_layers``, Gemma 3 local layer
 restricted by `within_window`: a query at position ``p`` sees keys in ``(p - window, p]``. A padded query
 repeats the last real token's position, so it still sees exactly that token's keys.
 
-A graph reads the cache through a **KV window** (a KV-length bucket): positions ``[0, W)`` of each slot, given
-as ``keys = arange(W)`` (`graphs.key_positions`); the engine picks a ``W`` that covers every position the call
-reads, so the masks below never need a key beyond it.
+A graph reads the cache through a **KV window** (a KV-length bucket): positions ``[0, W)`` of each sequence, the
+first ``W / block_size`` blocks of its block table (`kv_cache.read_blocks`), whose positions are ``keys = arange(W)``;
+the engine picks a ``W`` that covers every position the call reads, so the masks below never need a key beyond it.
+Where the K/V of a token that is not real is written (the scratch block) is the runtime's rule
+(`runtime.padding.slot_mapping`), not a mask.
 """
 
 from __future__ import annotations
@@ -25,18 +27,12 @@ def actual_tokens_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat((first, position_ids[:, 1:] > position_ids[:, :-1]), dim=1)
 
 
-def chunk_write_positions(position_ids: torch.Tensor, scratch: int) -> torch.Tensor:
-    """Where each column of a prefill chunk ``position_ids [1, C]`` writes its K/V: its position when the
-    token is real, the slot's scratch row ``scratch`` when it is padding (invariant 4)."""
-    return torch.where(actual_tokens_mask(position_ids), position_ids, torch.full_like(position_ids, scratch))
-
-
 def chunk_mask(position_ids: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
     """Mask of a prefill chunk ``position_ids [1, C]`` over keys ``[cache window | chunk (C)]``, the window's cache
     positions being ``keys [W]`` (``None``: the graph reads no earlier cache).
 
-    A query attends to cache positions before the chunk's first position (never the scratch row, which lies
-    beyond every window), and to chunk keys that are causal and real. A padded query (duplicate of the last real
+    A query attends to its sequence's cache positions before the chunk's first position, and to chunk keys that are
+    causal and real. A padded query (duplicate of the last real
     token) therefore sees exactly the keys the real last token sees. Result: ``[1, 1, C, W + C]`` (or
     ``[1, 1, C, C]`` without ``keys``).
     """
