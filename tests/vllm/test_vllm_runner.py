@@ -4,7 +4,7 @@ A step is the plain `compat.Step` data the worker reads from vLLM's ``SchedulerO
 pin what the runner owes vLLM: a request's prompt can arrive in any split of chunks (several CP calls
 in one step when it exceeds C), partial prefills return no token, decodes of running requests run in
 the same step as another request's chunk, every way a request leaves (finished, aborted,
-preempted) gives its KV slot back, and a request the runner cannot run fails alone, its slot freed.
+preempted) gives its slot and blocks back, and a request the runner cannot run fails alone, its slot freed.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import pytest
 from vllm import SamplingParams as VllmParams
 
 from optimum.neuron.errors import InputError
-from optimum.neuron.vllm.compat import CachedRequest
 from optimum.neuron.vllm.runner import Runner
 from tests.contract.engine_tools import alone, engine_for, prompt
 from tests.vllm.steps import CHUNK, Driver, cached, new_request, step
@@ -23,12 +22,12 @@ pytestmark = [pytest.mark.vllm]
 
 @pytest.fixture
 def runner() -> Runner:
-    return Runner(engine_for("eager"))
+    return Runner(engine_for("eager", caller_blocks=True))
 
 
 def expected(runner: Runner, ids: list[int], new: int) -> list[int]:
-    """Greedy tokens of ``generate()`` on the same engine (slots are given back afterwards)."""
-    return alone(runner.engine, ids, new)
+    """Greedy tokens of ``generate()`` on another engine of the same artifact (the runner's places no blocks)."""
+    return alone(engine_for(runner.engine.config.backend), ids, new)
 
 
 def test_prompt_in_uneven_chunks_then_decode(runner: Runner) -> None:
@@ -94,11 +93,8 @@ def test_preempted_request_resumes_with_the_same_tokens(runner: Runner) -> None:
     d.run({"a": 1})
     d.run({}, preempted={"a"})
     assert runner.engine.slots.free_count == 2, "a preempted request keeps no slot"
-    all_tokens = ids + d.out["a"]
-    # vLLM resumes it with every token so far, to be recomputed from position 0.
-    resumed = CachedRequest("a", 0, True, all_tokens)
-    d.out["a"] += runner.execute(step({"a": len(all_tokens)}, cached=[resumed])).sampled["a"]
-    d.computed["a"] = len(all_tokens)
+    assert runner.engine.held_blocks() == {"a": []}, "a preempted request keeps no block"
+    d.resume("a", ids + d.out["a"])  # vLLM resumes it with every token so far, recomputed from position 0
     for _ in range(2):
         d.run({"a": 1})
     assert d.out["a"] == want
@@ -107,7 +103,7 @@ def test_preempted_request_resumes_with_the_same_tokens(runner: Runner) -> None:
 def test_more_requests_than_slots_fails_that_request_only(runner: Runner) -> None:
     d = Driver(runner)
     d.run({"a": 2, "b": 2}, [new_request("a", [5, 6]), new_request("b", [7, 8])])
-    out = runner.execute(step({"c": 2, "a": 1}, [new_request("c", [9, 10])], [cached("a", 2)]))
+    out = runner.execute(step({"c": 2, "a": 1}, [new_request("c", [9, 10], blocks=d.grow("c", 2))], [cached("a", 2)]))
     assert "SlotError" in out.failed["c"] and "--batch_size" in out.failed["c"], out.failed
     assert out.sampled["c"] == [] and len(out.sampled["a"]) == 1, "the other request of the step ran"
     assert set(runner.engine.slots.used.values()) == {"a", "b"}
@@ -115,7 +111,9 @@ def test_more_requests_than_slots_fails_that_request_only(runner: Runner) -> Non
 
 def test_unsupported_sampling_parameter_fails_that_request_only(runner: Runner) -> None:
     params = VllmParams(temperature=0.7, logprob_token_ids=[3, 4])
-    out = runner.execute(step({"a": 2, "b": 2}, [new_request("a", [5, 6], params), new_request("b", [7, 8])]))
+    out = runner.execute(
+        step({"a": 2, "b": 2}, [new_request("a", [5, 6], params, blocks=[1]), new_request("b", [7, 8], blocks=[2])])
+    )
     assert set(out.failed) == {"a"} and "logprob_token_ids" in out.failed["a"], out.failed
     assert out.sampled == {"a": [], "b": out.sampled["b"]} and len(out.sampled["b"]) == 1
     assert set(runner.engine.slots.used.values()) == {"b"}, "the refused request holds no slot"

@@ -147,7 +147,7 @@ def test_grammar_bitmask_restricts_tokens(runner: Runner) -> None:
 
 def test_seeded_host_sampling_reproduces_and_a_plain_neighbour_keeps_its_tokens(runner: Runner) -> None:
     ids, other = prompt(CHUNK + 1, 24), prompt(5, 25)
-    want_other = alone(runner.engine, other, 6)
+    want_other = alone(_logprobs_engine(caller_blocks=False), other, 6)
     runs = []
     for seed in (5, 5, 6):
         params = VllmParams(temperature=1.2, top_k=30, presence_penalty=0.3, seed=seed)
@@ -184,7 +184,8 @@ def test_logprobs_and_prompt_logprobs_reach_vllm_outputs() -> None:
     assert np.allclose(lists.logprobs[0, 1:], expected[-1].topk(3).values.numpy(), atol=1e-4)
 
 
-def _logprobs_engine() -> Engine:
+def _logprobs_engine(caller_blocks: bool = True) -> Engine:
     """A fresh engine on the eager fixture with the graphs returning logits (``--prompt_logprobs``, and the
-    token-generation graph returning logits that the other fixtures leave out)."""
-    return Engine(Artifact.open(export_fixture("llama-2x4x8-logprobs-eager")))
+    token-generation graph returning logits that the other fixtures leave out), placing blocks as the runner's does
+    (given by vLLM) unless ``caller_blocks`` is off."""
+    return Engine(Artifact.open(export_fixture("llama-2x4x8-logprobs-eager")), caller_blocks=caller_blocks)

@@ -191,6 +191,10 @@ class Engine:
             self.slots.release(sequence.slot)
             self.placement.free(sequence)
 
+    def held_blocks(self) -> dict[str, list[int]]:
+        """The KV blocks each admitted sequence holds (empty while preempted), by its id as a string."""
+        return {str(seq_id): list(s.blocks) for seq_id, s in self._sequences.items()}
+
     @property
     def cached_images(self) -> int:
         """Images whose encoded rows are cached, over every sequence (rows still to be spliced into a chunk)."""

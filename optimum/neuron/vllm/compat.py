@@ -21,8 +21,9 @@ import torch
 from ..errors import IncompatibleConfigError, InputError
 
 VLLM_VERSION = "0.32.0"
-KV_LAYER_NAME = "optimum_neuron.kv"
-"""The single layer name of the placeholder KV spec: our cache lives in the engine, not in vLLM."""
+KV_LAYER_NAME = "model.layers.{}.self_attn.attn"
+"""The name vLLM knows each layer's KV cache by (`kv_cache_spec`): our cache lives in the engine, vLLM only places
+its blocks."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class NewRequest:
     prompt_token_ids: list[int]
     sampling_params: Any
     num_computed_tokens: int
+    """Its prompt tokens already in its blocks (vLLM's prefix-cache hit)."""
+    block_ids: list[int]
+    """Its KV blocks, in position order (of the one KV cache group)."""
     images: tuple[ImageItem, ...] = ()
 
 
@@ -58,6 +62,8 @@ class CachedRequest:
     resumed: bool
     """True when the request comes back after a preemption (its cache must be rebuilt)."""
     all_token_ids: list[int] | None
+    new_block_ids: list[int] | None
+    """Blocks vLLM gave it for this step: appended to its blocks, or, when ``resumed``, all of them."""
 
 
 @dataclass(frozen=True)
@@ -77,12 +83,25 @@ class Step:
 def read_step(scheduler_output: Any) -> Step:
     """`Step` from a vLLM ``SchedulerOutput``."""
     new = [
-        NewRequest(r.req_id, list(r.prompt_token_ids or []), r.sampling_params, r.num_computed_tokens, read_images(r))
+        NewRequest(
+            r.req_id,
+            list(r.prompt_token_ids or []),
+            r.sampling_params,
+            r.num_computed_tokens,
+            _one_group(r.block_ids) or [],
+            read_images(r),
+        )
         for r in scheduler_output.scheduled_new_reqs
     ]
     c = scheduler_output.scheduled_cached_reqs
     cached = [
-        CachedRequest(rid, c.num_computed_tokens[i], rid in c.resumed_req_ids, c.all_token_ids.get(rid))
+        CachedRequest(
+            rid,
+            c.num_computed_tokens[i],
+            rid in c.resumed_req_ids,
+            c.all_token_ids.get(rid),
+            _one_group(c.new_block_ids[i]),
+        )
         for i, rid in enumerate(c.req_ids)
     ]
     return Step(
@@ -93,6 +112,14 @@ def read_step(scheduler_output: Any) -> Step:
         preempted=set(scheduler_output.preempted_req_ids or ()),
         structured=bool(scheduler_output.has_structured_output_requests),
     )
+
+
+def _one_group(block_ids: tuple[list[int], ...] | None) -> list[int] | None:
+    """The block ids of the one KV cache group `kv_cache_spec` declares (vLLM sends one list per group)."""
+    if block_ids is None:
+        return None
+    assert len(block_ids) == 1, f"vLLM placed {len(block_ids)} KV cache groups; the worker declares one"
+    return [int(b) for b in block_ids[0]]
 
 
 def read_images(new_request: Any) -> tuple[ImageItem, ...]:
@@ -233,18 +260,25 @@ def _logprobs_lists(req_ids: list[str], logprobs: Mapping[str, Any]) -> Any:
     return LogprobsLists(ids, values, ranks)
 
 
-def placeholder_kv_spec(block_size: int) -> dict[str, Any]:
-    """A one-layer KV spec whose blocks only count tokens: it makes vLLM chunk prompts and bounds
-    admissions (DESIGN.md §5, "How we drive chunks"), while the real cache lives in our engine."""
+def kv_cache_spec(layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
+    """vLLM's ``KVCacheSpec`` of the engine's paged cache, one ``FullAttentionSpec`` per layer (one KV cache group, one
+    block table per request: sliding-window layers keep every position too, their window is a mask), so vLLM's KV
+    cache manager places each request's blocks, counts the pool's memory and keys its prefix cache by blocks of
+    ``block_size`` tokens."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    return {KV_LAYER_NAME: spec}
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=head_dim, dtype=dtype)
+    return {KV_LAYER_NAME.format(layer): spec for layer in range(layers)}
 
 
-def placeholder_page_bytes(block_size: int) -> int:
-    """Bytes of one block of `placeholder_kv_spec`."""
-    return int(placeholder_kv_spec(block_size)[KV_LAYER_NAME].page_size_bytes)
+def block_bytes(spec: dict[str, Any]) -> int:
+    """Bytes of one block of `kv_cache_spec` over every layer (K and V)."""
+    return sum(int(layer.page_size_bytes) for layer in spec.values())
+
+
+def kv_cache_blocks(kv_cache_config: Any) -> int:
+    """The blocks vLLM's ``KVCacheConfig`` gives the cache (its null block, our scratch block, included)."""
+    return int(kv_cache_config.num_blocks)
 
 
 @dataclass(frozen=True)
@@ -253,6 +287,7 @@ class Asked:
 
     max_num_seqs: int | None
     async_scheduling: bool | None
+    enable_prefix_caching: bool | None = None
 
 
 def asked_engine_args() -> Asked | None:
@@ -270,7 +305,7 @@ def asked_engine_args() -> Asked | None:
             break
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, EngineArgs):
-            return Asked(candidate.max_num_seqs, candidate.async_scheduling)
+            return Asked(candidate.max_num_seqs, candidate.async_scheduling, candidate.enable_prefix_caching)
         frame = frame.f_back
     return None
 

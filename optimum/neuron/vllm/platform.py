@@ -1,9 +1,10 @@
 """The vLLM platform: makes vLLM serve an optimum-neuronx artifact with our worker.
 
 ``check_and_update_config`` reads the artifact's ``neuron_config.json`` and sets what vLLM may
-schedule: ``max_num_seqs`` = the KV slots (batch size), ``max_model_len`` = the compiled sequence
-length, and a token budget of one chunk (chunked artifacts, vLLM then feeds prompts chunk by chunk
-between decodes) or of a whole prompt (context-encoding artifacts). Asking for more than the
+schedule: ``max_num_seqs`` = the token-generation rows (batch size), ``max_model_len`` = the compiled sequence
+length, a token budget of one chunk (chunked artifacts, vLLM then feeds prompts chunk by chunk
+between decodes) or of a whole prompt (context-encoding artifacts), and the paged KV cache vLLM's KV cache manager
+places requests in (block size, blocks, prefix caching: `fit_kv_cache`). Asking for more than the
 artifact holds is an error naming the export flag to change.
 """
 
@@ -72,6 +73,31 @@ def fit_parallelism(parallel_config: Any, neuron: NeuronConfig) -> None:
             f"{flag('tp_degree')} at export and --data-parallel-size at serve time)."
         )
     compat.set_tensor_parallel(parallel_config, neuron.tp_degree)
+
+
+def fit_kv_cache(cache_config: Any, neuron: NeuronConfig, asked_prefix_caching: bool | None) -> None:
+    """vLLM's KV cache manager places requests in the artifact's paged cache: its block size, its blocks (the pool and
+    the scratch block, which is vLLM's null block), and prefix caching on by default (vLLM's own default), except for
+    an artifact without a chunked-prefill graph, whose context-encoding graph always starts at position 0 (an explicit
+    ``--enable-prefix-caching`` is then refused). A smaller ``--num-gpu-blocks-override`` is kept; a larger one is
+    refused."""
+    chunked = bool(neuron.prefill_chunk_size)
+    if asked_prefix_caching and not chunked:
+        raise IncompatibleConfigError(
+            "prefix caching needs a chunked-prefill graph (a prefill that starts after the cached blocks): drop "
+            f"--enable-prefix-caching or re-export with {flag('prefill_chunk_size')} C."
+        )
+    cache_config.enable_prefix_caching = chunked if asked_prefix_caching is None else asked_prefix_caching
+    cache_config.block_size = neuron.block_size
+    asked_blocks = cache_config.num_gpu_blocks_override
+    if asked_blocks is not None and asked_blocks > neuron.kv_blocks:
+        raise IncompatibleConfigError(
+            f"--num-gpu-blocks-override {asked_blocks} exceeds the artifact's KV cache of {neuron.kv_blocks} blocks "
+            f"({neuron.cache_tokens} positions and the scratch block): lower it or re-export with a larger "
+            f"{flag('kv_cache_tokens')}."
+        )
+    if asked_blocks is None:
+        cache_config.num_gpu_blocks_override = neuron.kv_blocks
 
 
 def async_scheduling(neuron: NeuronConfig, asked: bool | None) -> bool:
@@ -171,7 +197,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
 
     @classmethod
     def update_block_size_for_backend(cls, vllm_config: Any) -> None:
-        """Keep the block size chosen in `check_and_update_config` (there is no attention backend)."""
+        """Keep the block size chosen in `check_and_update_config` (the artifact's; there is no attention backend)."""
 
     def check_and_update_config(self, vllm_config: Any) -> None:
         """Fit vLLM's configuration to the artifact being served (see the module docstring)."""
@@ -190,29 +216,32 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         # Start the engine core by spawn, as vLLM's CPU platform does: a process forked after torch ran
         # intra-op (OpenMP) work hangs in its first parallel op (seen: allocating the KV cache).
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        vllm_config.cache_config.enable_prefix_caching = False
+        fit_kv_cache(vllm_config.cache_config, neuron, asked.enable_prefix_caching)
         compat.disable_graph_capture(vllm_config)
         vllm_config.model_config.dtype = neuron.torch_dtype  # what the artifact computes in (logs, metadata)
         resolve_limits(vllm_config, neuron, asked.max_num_seqs)
         if neuron.image_tiles:  # an image-text artifact: vLLM's multimodal processor feeds the runner images
             compat.limit_images(vllm_config, neuron.max_images)
             compat.encoder_budget(vllm_config)
-        vllm_config.cache_config.block_size = vllm_config.model_config.max_model_len
         from transformers import AutoConfig
 
         self.admission = Admission.of(AutoConfig.from_pretrained(vllm_config.model_config.model), neuron)
         logger.info(
-            "optimum-neuronx: %s (batch_size=%d, sequence_length=%d, prefill_chunk_size=%d, tp_degree=%d) -> "
-            "max_num_seqs=%d, max_model_len=%d, max_num_batched_tokens=%d, chunked_prefill=%s",
+            "optimum-neuronx: %s (batch_size=%d, sequence_length=%d, prefill_chunk_size=%d, tp_degree=%d, KV cache "
+            "%d blocks of %d) -> max_num_seqs=%d, max_model_len=%d, max_num_batched_tokens=%d, chunked_prefill=%s, "
+            "prefix_caching=%s",
             vllm_config.model_config.model,
             neuron.batch_size,
             neuron.sequence_length,
             neuron.prefill_chunk_size,
             neuron.tp_degree,
+            neuron.kv_blocks,
+            neuron.block_size,
             vllm_config.scheduler_config.max_num_seqs,
             vllm_config.model_config.max_model_len,
             vllm_config.scheduler_config.max_num_batched_tokens,
             vllm_config.scheduler_config.enable_chunked_prefill,
+            vllm_config.cache_config.enable_prefix_caching,
         )
 
     def validate_request(self, processed_inputs: Any, params: Any) -> None:

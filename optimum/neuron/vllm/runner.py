@@ -1,7 +1,8 @@
 """The model runner: one scheduler step (plain `Step` data) -> one `Engine.step` -> what it sampled.
 
-A thin adapter: finished requests are released, preempted ones preempted, new ones admitted,
-resumed ones resumed, and the scheduled token counts go to the engine as they are, with vLLM's own
+A thin adapter: finished requests are released, preempted ones preempted, new ones admitted (in the blocks vLLM's KV
+cache manager placed them in, with its prefix-cache hit already computed), resumed ones resumed, running ones given
+the blocks vLLM added, and the scheduled token counts go to the engine as they are, with vLLM's own
 sampler (`host_sampling.HostSampling`, bound to the step's grammar bitmask) for the requests that need it. The
 engine keeps every request's tokens, cache progress, sampler and prompt logprobs; the runner only checks
 that vLLM's count of computed tokens agrees with the engine's, and keeps a log of what each step ran.
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InputError, SlotError
+from ..errors import InputError
 from ..runtime.engine import Engine
 from ..runtime.logprobs import Logprobs
 from ..runtime.sequence import StepResult
@@ -84,10 +85,10 @@ class Runner:
         return StepOutput(scheduled, sampled, result.logprobs, result.prompt_logprobs, failed)  # type: ignore[arg-type]
 
     def _admit(self, new: NewRequest) -> None:
-        if new.num_computed_tokens:
-            raise SlotError(f"request {new.req_id} arrives with cached tokens, but prefix caching must be off.")
+        """Admit a new request in the blocks vLLM placed it in, its prefix-cache hit already computed."""
         params, images = to_sampling_params(new.sampling_params), to_images(new.images)
-        self.engine.admit(new.req_id, new.prompt_token_ids, params, images)
+        blocks, computed = new.block_ids, new.num_computed_tokens
+        self.engine.admit(new.req_id, new.prompt_token_ids, params, images, blocks=blocks, computed=computed)
 
     def _step(self, work: dict[str, int], grammar_output: Any, failed: dict[str, str]) -> StepResult:
         """`Engine.step` on ``work``. When it raises, each request is run alone (a failed step leaves every sequence
@@ -125,14 +126,18 @@ class Runner:
         logger.error("request %s cannot run and is finished with an error: %s", req_id, failed[req_id])
 
     def _sync(self, cached: CachedRequest) -> None:
-        """Resume a preempted request; check vLLM's computed-token count against the engine's."""
+        """Resume a preempted request in its new blocks, or give a running one the blocks vLLM added; check vLLM's
+        computed-token count against the engine's."""
         if cached.resumed:
-            self.engine.resume(cached.req_id, cached.all_token_ids)
+            blocks, computed = cached.new_block_ids or [], cached.num_computed_tokens
+            self.engine.resume(cached.req_id, cached.all_token_ids, blocks=blocks, computed=computed)
+        elif cached.new_block_ids:
+            self.engine.add_blocks(cached.req_id, cached.new_block_ids)
         computed = self.engine.sequence(cached.req_id).computed
         if computed != cached.num_computed_tokens:
             raise InputError(
                 f"request {cached.req_id}: vLLM counts {cached.num_computed_tokens} computed tokens, the engine "
-                f"{computed}; the scheduler and the runner disagree (is prefix caching or speculative decoding on?)."
+                f"{computed}; the scheduler and the runner disagree (is speculative decoding on?)."
             )
 
     def _record(self, result: StepResult) -> None:

@@ -1,8 +1,8 @@
 """The vLLM worker: loads the artifact into an `Engine` and hands each scheduler step to the `Runner`.
 
-It reports a placeholder KV spec (see `compat.placeholder_kv_spec`) sized to exactly
-``batch_size`` sequences of ``sequence_length`` tokens, so vLLM chunks prompts itself and never
-admits more requests than the artifact has KV slots.
+It reports the engine's paged KV cache as vLLM's KV cache spec (`compat.kv_cache_spec`: the artifact's block size,
+layers, KV heads of this rank and dtype) with exactly the artifact's blocks, so vLLM's KV cache manager places every
+request's blocks in it (prefix caching included); the engine holds the cache and takes the block ids vLLM sends.
 
 Under async scheduling (vLLM's default, off by default for a CPU artifact) every step runs on one step thread, in
 the order vLLM sends them: the worker answers at once with a pending output, and vLLM schedules step N+1 while step N
@@ -13,7 +13,6 @@ stop token) may already be in step N+1: it decodes once more, vLLM drops that to
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -58,12 +57,12 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         """Open the artifact (``--model``), load weights, graphs and the KV cache once."""
         artifact = Artifact.open(self.model_config.model)
-        engine = Engine(artifact)
+        engine = Engine(artifact, caller_blocks=True)
         self.runner = Runner(engine)
         c = artifact.config
         logger.info(
             "optimum-neuronx serving %s (rank %d of %d): backend=%s device=%s graphs=%s batch_size=%d "
-            "sequence_length=%d prefill_chunk_size=%d kv_windows=%s on_device_sampling=%s",
+            "sequence_length=%d prefill_chunk_size=%d kv_windows=%s kv_blocks=%d block_size=%d on_device_sampling=%s",
             artifact.root,
             engine.rank,
             c.tp_degree,
@@ -74,6 +73,8 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
             c.sequence_length,
             c.prefill_chunk_size,
             list(c.kv_windows),
+            c.kv_blocks,
+            c.block_size,
             c.on_device_sampling,
         )
 
@@ -86,22 +87,28 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
     # --- KV cache negotiation ---------------------------------------------------------------
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
-        """The placeholder spec; its block is a whole sequence (block_size = max_model_len)."""
-        return compat.placeholder_kv_spec(self.cache_config.block_size)
+        """The engine's paged cache (this rank's KV heads), one spec per layer."""
+        assert self.runner is not None, "load_model() runs before the KV cache is negotiated"
+        engine = self.runner.engine
+        cache, layers = engine.kv_cache[0], len(engine.kv_cache) // 2
+        _, kv_heads, head_dim = cache.shape
+        return compat.kv_cache_spec(layers, engine.block_size, kv_heads, head_dim, cache.dtype)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
-        """Any layout: vLLM's cache is never read (the base implementation raises on our platform)."""
+        """Any layout: vLLM's cache is never allocated (the base implementation raises on our platform)."""
         return ["NHD"]
 
     def determine_available_memory(self) -> int:
-        """Room for exactly ``max_num_seqs`` sequences of blocks, plus vLLM's null block."""
-        block = self.cache_config.block_size
-        blocks_per_seq = math.ceil(self.model_config.max_model_len / block)
-        blocks = self.scheduler_config.max_num_seqs * blocks_per_seq + 1
-        return blocks * compat.placeholder_page_bytes(block)
+        """The bytes of the artifact's KV cache: vLLM divides them into exactly its blocks."""
+        assert self.runner is not None
+        return self.runner.engine.config.kv_blocks * self.get_cache_block_size_bytes()
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
-        """No vLLM-side cache to allocate."""
+        """No vLLM-side cache to allocate: the engine's is the one; check vLLM plans with no more blocks than it has."""
+        assert self.runner is not None
+        planned, held = compat.kv_cache_blocks(kv_cache_config), self.runner.engine.config.kv_blocks
+        if planned > held:
+            raise RuntimeError(f"vLLM planned {planned} KV blocks, the artifact's cache holds {held}")
 
     def update_max_model_len(self, max_model_len: int) -> None:
         """vLLM may lower the length after profiling; the artifact's limit is already applied."""
@@ -112,8 +119,8 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         return compat.compilation_times()
 
     def get_cache_block_size_bytes(self) -> int:
-        """Bytes of one placeholder block."""
-        return compat.placeholder_page_bytes(self.cache_config.block_size)
+        """Bytes of one block over every layer."""
+        return compat.block_bytes(self.get_kv_cache_spec())
 
     # --- serving ----------------------------------------------------------------------------
 
@@ -176,8 +183,12 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         return self._on_step_thread(lambda: [dataclasses.asdict(r) for r in self.runner.records] if self.runner else [])
 
     def slot_usage(self) -> dict[int, Any]:
-        """Held KV slots and their request ids (after the step in flight, if any)."""
+        """Held slots and their request ids (after the step in flight, if any)."""
         return self._on_step_thread(lambda: dict(self.runner.engine.slots.used) if self.runner else {})
+
+    def block_usage(self) -> dict[str, list[int]]:
+        """The KV blocks each admitted request holds (after the step in flight, if any)."""
+        return self._on_step_thread(lambda: self.runner.engine.held_blocks() if self.runner else {})
 
     def _on_step_thread(self, read: Callable[[], T]) -> T:
         """``read()`` where steps run: between two steps, never during one."""
