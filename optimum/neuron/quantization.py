@@ -150,6 +150,25 @@ def graph_form(weights: dict[str, torch.Tensor], config: NeuronConfig, shard: Sh
 
 
 def fit_weight_format(config: NeuronConfig, hf_config: Any) -> NeuronConfig:
+    """``config`` with the format of a pre-quantized checkpoint taken (`prequantized.fit_checkpoint_format`) and its
+    int4 group size resolved for the model ``hf_config`` (`fit_group_size`); unchanged for other formats. A
+    checkpoint's own groups that do not fit tensor parallelism are refused naming ``--tensor_parallel_size``."""
+    from .prequantized import checkpoint_scheme, fit_checkpoint_format
+
+    scheme = checkpoint_scheme(hf_config)
+    if scheme is None:
+        return fit_group_size(config, hf_config)
+    config = fit_checkpoint_format(config, scheme)
+    try:
+        return fit_group_size(config, hf_config)
+    except IncompatibleConfigError as err:
+        raise IncompatibleConfigError(
+            f"the checkpoint's int4 groups of {scheme.group_size} are taken as they are, and do not fit "
+            f"{flag('tp_degree')} {config.tp_degree} ({err}): export with another {flag('tp_degree')}."
+        ) from err
+
+
+def fit_group_size(config: NeuronConfig, hf_config: Any) -> NeuronConfig:
     """``config`` with its int4 group size resolved for the model ``hf_config`` (0 -> `group_size`'s pick over the
     whole model's layers), checked against one tensor-parallel rank's layers: a rank's slice of a row-parallel
     projection must hold whole groups, and where tensor parallelism pads the heads a group must not straddle two
