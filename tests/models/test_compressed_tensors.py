@@ -89,6 +89,30 @@ def test_the_artifact_stores_the_checkpoints_values_and_scales(scheme: str, lowe
     assert min(lows) == lowest, "compressed-tensors' symmetric range reaches -2^(b-1): the values keep it"
 
 
+def stored_of(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The weight set an export of ``checkpoint`` stores (no graph compiled)."""
+    from optimum.exporters.neuron.compile import hf_config_of
+    from optimum.neuron.artifact import empty_decoder
+    from optimum.neuron.prequantized import stored_weights
+    from optimum.neuron.weights import read_checkpoint
+
+    config = hf_config_of(checkpoint)
+    fitted = fit_weight_format(NeuronConfig(), config)
+    return stored_weights(empty_decoder(config, fitted), config, read_checkpoint(checkpoint), fitted)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "fmt"), [("w8a16", "int-quantized"), ("w8a16", "naive-quantized"), ("w4a16-g32", "int-quantized")]
+)
+def test_every_integer_format_reads_to_the_same_stored_weights(scheme: str, fmt: str) -> None:
+    """compressed-tensors stores the values one int8 per weight when asked to: read as its packed int32 words are."""
+    other = compressed_model(scheme, fmt=fmt)
+    assert load_file(str(other / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    packed, unpacked = stored_of(compressed_model(scheme)), stored_of(other)
+    assert set(packed) == set(unpacked)
+    assert all(torch.equal(packed[name], unpacked[name]) for name in packed)
+
+
 def hf_config(scheme: str = "w4a16-g32", **changes: Any) -> Any:
     """The transformers config of ``scheme``'s checkpoint, its quantization_config updated with ``changes`` (a key
     ``weights`` updates the config group's weight arguments)."""
@@ -152,3 +176,34 @@ def test_layers_quantized_otherwise_than_an_artifact_are_refused(kwargs: dict, m
     with pytest.raises(QuantizedCheckpointError, match=message):
         export(compressed_model("w4a16-g32", **kwargs), tmp_path / "out", config, use_cache=False)
     assert not (tmp_path / "out" / WEIGHTS_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "message"),
+    [("gemma3-multimodal", "multimodal and quantized"), ("idefics3", "pre-quantized image-text checkpoints")],
+)
+def test_pre_quantized_multimodal_checkpoints_are_refused(checkpoint: str, message: str, tmp_path: Path) -> None:
+    from optimum.exporters.neuron.compile import hf_config_of
+    from tests.fixtures.llm.idefics3 import tiny_idefics3
+    from tests.fixtures.llm.models import tiny_gemma3_multimodal
+
+    folder = tiny_gemma3_multimodal() if checkpoint == "gemma3-multimodal" else tiny_idefics3()
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization_config"] = hf_config().quantization_config
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(QuantizedCheckpointError, match=f"{message}.*--weight_format int8 or int4"):
+        fit_weight_format(NeuronConfig(), hf_config_of(tmp_path))
+
+
+def test_groups_that_do_not_fit_the_ranks_are_refused_naming_the_flag() -> None:
+    """At 2 ranks the 6 / 3 heads of 16 are padded to 8 / 4: a group of 32 would straddle a real and a padded head."""
+    from transformers import AutoConfig
+
+    from tests.fixtures.llm.models import tiny_model
+
+    padded = tiny_model("llama", num_attention_heads=6, head_dim=16, hidden_size=96, num_key_value_heads=3)
+    config = AutoConfig.from_pretrained(padded)
+    config.quantization_config = hf_config().quantization_config
+    assert fit_weight_format(NeuronConfig(), config).weight_group_size == 32
+    with pytest.raises(IncompatibleConfigError, match=r"groups of 32 .*straddle.*another --tensor_parallel_size"):
+        fit_weight_format(NeuronConfig(tp_degree=2), config)
