@@ -16,6 +16,9 @@ The **stored form** (``model.safetensors``): ``<layer>.weight`` int8 ``[N, K]`` 
 signed 4-bit values per byte, column ``2j`` in the low nibble (int4), and ``<layer>.weight_scale`` float32
 ``[N, K / G]`` (``G = K`` for int8). The **graph form** (`graph_form`) is one rank's slice with int4 unpacked to
 one int8 per weight; the packed CPU kernel then packs it into its panels (`artifact.graph_weights`).
+
+A pre-quantized compressed-tensors checkpoint (`prequantized`) fills the same stored form with its own values and
+scales: its symmetric range reaches one level lower (int4 [-8, 7], int8 [-128, 127]), which every kernel decodes.
 """
 
 from __future__ import annotations
