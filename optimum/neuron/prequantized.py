@@ -84,19 +84,13 @@ def quantization_config(hf_config: Any) -> dict[str, Any] | None:
     return found.to_dict()
 
 
-def drop_quantization_config(hf_config: Any) -> None:
-    """Remove, in place, the ``quantization_config`` of a transformers config (an artifact's ``config.json`` does not
-    describe the checkpoint's storage: its weights are in the stored form, its format in ``neuron_config.json``)."""
-    if hasattr(hf_config, "quantization_config"):
-        del hf_config.quantization_config
-
-
 def without_quantization_config(hf_config: Any) -> Any:
-    """A copy of ``hf_config`` without its ``quantization_config`` (``hf_config`` itself when it has none)."""
+    """A copy of ``hf_config`` without its ``quantization_config`` (``hf_config`` itself when it has none): what an
+    artifact's ``config.json`` holds, its weights being in the stored form and its format in ``neuron_config.json``."""
     if not hasattr(hf_config, "quantization_config"):
         return hf_config
     config = copy.deepcopy(hf_config)
-    drop_quantization_config(config)
+    del config.quantization_config
     return config
 
 
@@ -129,9 +123,9 @@ def checkpoint_scheme(hf_config: Any) -> CheckpointScheme | None:
     schemes = [_scheme_of(name, scheme, config.format) for name, scheme in config.config_groups.items()]
     kinds = {(s.weight_format, s.group_size, s.compression) for s in schemes}
     if len(kinds) != 1:
+        found = f"quantize differently ({sorted(s.describe() for s in schemes)})" if kinds else "are none"
         raise QuantizedCheckpointError(
-            f"the checkpoint's config groups quantize differently ({sorted(s.describe() for s in schemes)}); an "
-            f"artifact has one format and group size: {INSTEAD}."
+            f"the checkpoint's config groups {found}; an artifact has one format and group size: {INSTEAD}."
         )
     return schemes[0]
 
@@ -253,7 +247,9 @@ def stored_weights(
     return {**constants_of(layout, params), **quantized}
 
 
-def take_quantized(layout: nn.Module, state: dict[str, torch.Tensor], scheme: CheckpointScheme) -> dict[str, Any]:
+def take_quantized(
+    layout: nn.Module, state: dict[str, torch.Tensor], scheme: CheckpointScheme
+) -> dict[str, torch.Tensor]:
     """Pop from ``state`` the tensors of every quantized layer (those with a ``weight_scale``) and return them in the
     stored form; the quantized layers must be exactly ``layout``'s `quantized_modules`."""
     layers = quantized_modules(layout)
@@ -273,7 +269,7 @@ def take_quantized(layout: nn.Module, state: dict[str, torch.Tensor], scheme: Ch
             "decoder's layers) unquantized; an artifact quantizes all of them: quantize them too (drop them from the "
             f"scheme's ignore), or {INSTEAD}."
         )
-    stored: dict[str, Any] = {}
+    stored: dict[str, torch.Tensor] = {}
     for layer in layers:
         q, scale = _layer_values(state, layer, scheme, tuple(layout.get_parameter(f"{layer}.weight").shape))
         stored[f"{layer}.weight"] = pack_nibbles(q) if scheme.weight_format == "int4" else q

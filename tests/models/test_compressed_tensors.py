@@ -141,6 +141,7 @@ REFUSED_SCHEMES = [
     ({"group": {"format": "dense"}}, "format dense"),
     ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}, "kv_cache_scheme"),
     ({"transform_config": {"config_groups": {"r": {}}}}, "transform_config"),
+    ({"config_groups": {}}, "config groups are none"),
 ]
 
 
