@@ -115,9 +115,10 @@ class NeuronConfig:
     weight_format: str = "float"
     """Weights of the decoder layers' linear projections: ``float`` (``auto_cast_type``), ``int8`` (per output channel,
     symmetric) or ``int4`` (per group of ``weight_group_size`` input columns, symmetric), quantized at export and stored
-    quantized; activations, the KV cache, embeddings, the LM head, norms, MoE routers and experts stay in
-    ``auto_cast_type``. On the CPU in fp32 the packed kernel reads the quantized bytes; elsewhere the graph dequantizes
-    (docs/export.md, "Quantized weights")."""
+    quantized; a compressed-tensors checkpoint's own format is taken as it is (left at ``float``, or the same value;
+    docs/export.md, "Pre-quantized checkpoints"); activations, the KV cache, embeddings, the LM head, norms, MoE
+    routers and experts stay in ``auto_cast_type``. On the CPU in fp32 the packed kernel reads the quantized bytes;
+    elsewhere the graph dequantizes (docs/export.md, "Quantized weights")."""
     weight_group_size: int = 0
     """int4 only: input columns per scale; 0 picks the largest of 128, 64, 32 that divides every quantized layer's
     input size (the export records the size it used)."""

@@ -19,6 +19,11 @@ class WeightLoadingError(NeuronError, ValueError):
     """A checkpoint does not map exactly (keys, shapes, dtypes) onto the static model."""
 
 
+class QuantizedCheckpointError(NeuronError, ValueError):
+    """A pre-quantized checkpoint (its config.json's ``quantization_config``) uses a method, scheme or layout that
+    cannot be taken as it is (`optimum.neuron.prequantized`); nothing was exported."""
+
+
 class ArtifactError(NeuronError, OSError):
     """An exported artifact is missing, corrupt, or was made by an incompatible toolkit version."""
 

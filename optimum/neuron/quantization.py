@@ -16,6 +16,9 @@ The **stored form** (``model.safetensors``): ``<layer>.weight`` int8 ``[N, K]`` 
 signed 4-bit values per byte, column ``2j`` in the low nibble (int4), and ``<layer>.weight_scale`` float32
 ``[N, K / G]`` (``G = K`` for int8). The **graph form** (`graph_form`) is one rank's slice with int4 unpacked to
 one int8 per weight; the packed CPU kernel then packs it into its panels (`artifact.graph_weights`).
+
+A pre-quantized compressed-tensors checkpoint (`prequantized`) fills the same stored form with its own values and
+scales: its symmetric range reaches one level lower (int4 [-8, 7], int8 [-128, 127]), which every kernel decodes.
 """
 
 from __future__ import annotations
@@ -150,6 +153,25 @@ def graph_form(weights: dict[str, torch.Tensor], config: NeuronConfig, shard: Sh
 
 
 def fit_weight_format(config: NeuronConfig, hf_config: Any) -> NeuronConfig:
+    """``config`` with the format of a pre-quantized checkpoint taken (`prequantized.fit_checkpoint_format`) and its
+    int4 group size resolved for the model ``hf_config`` (`fit_group_size`); unchanged for other formats. A
+    checkpoint's own groups that do not fit tensor parallelism are refused naming ``--tensor_parallel_size``."""
+    from .prequantized import checkpoint_scheme, fit_checkpoint_format
+
+    scheme = checkpoint_scheme(hf_config)
+    if scheme is None:
+        return fit_group_size(config, hf_config)
+    config = fit_checkpoint_format(config, scheme)
+    try:
+        return fit_group_size(config, hf_config)
+    except IncompatibleConfigError as err:
+        raise IncompatibleConfigError(
+            f"the checkpoint's int4 groups of {scheme.group_size} are taken as they are, and do not fit "
+            f"{flag('tp_degree')} {config.tp_degree} ({err}): export with another {flag('tp_degree')}."
+        ) from err
+
+
+def fit_group_size(config: NeuronConfig, hf_config: Any) -> NeuronConfig:
     """``config`` with its int4 group size resolved for the model ``hf_config`` (0 -> `group_size`'s pick over the
     whole model's layers), checked against one tensor-parallel rank's layers: a rank's slice of a row-parallel
     projection must hold whole groups, and where tensor parallelism pads the heads a group must not straddle two

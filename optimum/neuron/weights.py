@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -46,12 +47,15 @@ def read_checkpoint(folder: str | Path) -> dict[str, torch.Tensor]:
     )
 
 
-def map_state_dict(module: nn.Module, hf_state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def map_state_dict(
+    module: nn.Module, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, taken: Collection[str] = ()
+) -> dict[str, torch.Tensor]:
     """The parameters of ``module`` taken from ``hf_state`` (after its family's renaming rules), cast to
-    ``dtype``; strict."""
+    ``dtype``; strict. The parameters named in ``taken`` are left out (the caller took them from the checkpoint
+    itself: a pre-quantized checkpoint's quantized weights, `prequantized.take_quantized`)."""
     for rule in getattr(getattr(module, "family", None), "checkpoint_rules", ()):
         hf_state = rule(hf_state)
-    expected = dict(module.named_parameters())
+    expected = {name: param for name, param in module.named_parameters() if name not in taken}
     tied = getattr(module, "tied", False)
     unknown = [k for k in hf_state if k not in expected and not _ignorable(k, tied)]
     if unknown:
@@ -71,7 +75,8 @@ def map_state_dict(module: nn.Module, hf_state: dict[str, torch.Tensor], dtype: 
             )
         if not tensor.is_floating_point():
             raise WeightLoadingError(
-                f"{name!r} has dtype {tensor.dtype}: pre-quantized checkpoints are not read yet; export the float "
+                f"{name!r} has dtype {tensor.dtype}, and config.json has no compressed-tensors quantization_config: "
+                "only compressed-tensors checkpoints are read pre-quantized (docs/export.md); export the float "
                 "checkpoint with --weight_format int8 or int4 (the export quantizes it)."
             )
         mapped[name] = tensor.to(dtype).contiguous()

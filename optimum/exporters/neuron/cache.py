@@ -28,6 +28,7 @@ GRAPH_SOURCES = (
     "neuron/config.py",
     "neuron/artifact.py",
     "neuron/quantization.py",
+    "neuron/prequantized.py",
     "exporters/neuron",
 )
 """What `code_fingerprint` hashes, relative to `PACKAGE_ROOT`: folders (their ``*.py``) and files."""

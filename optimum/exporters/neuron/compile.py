@@ -31,10 +31,10 @@ from ...neuron.config import NeuronConfig
 from ...neuron.errors import ExportError, UnsupportedModelError
 from ...neuron.graphs import GraphSpec, example_inputs, graph_args, image_row_inputs, window_dims
 from ...neuron.models.base import StaticDecoder, graph_module
-from ...neuron.models.layers.quantized import quantized_modules
 from ...neuron.models.registry import language_config, served_config, supported_model_types
-from ...neuron.quantization import fit_weight_format, stored_form
-from ...neuron.weights import constants_of, map_state_dict, read_checkpoint
+from ...neuron.prequantized import check_served_config, stored_weights
+from ...neuron.quantization import fit_weight_format
+from ...neuron.weights import read_checkpoint
 
 WORKERS_ENV = "OPTIMUM_NEURON_COMPILE_WORKERS"
 """Environment variable fixing the number of processes that compile one export's graphs (1: all in the exporting
@@ -63,7 +63,9 @@ def hf_config_of(model_dir: Path) -> Any:
             f"transformers cannot read {model_dir / 'config.json'} ({str(err).splitlines()[0]}); supported model "
             f"types: {', '.join(supported_model_types())}."
         ) from err
-    return served_config(config)
+    served = served_config(config)
+    check_served_config(config, served)
+    return served
 
 
 def load_decoder(
@@ -77,8 +79,7 @@ def load_decoder(
     to its slice (every rank runs the same graph)."""
     config = fit_weight_format(config, hf_config)
     layout = empty_decoder(hf_config, config.derive(tp_degree=1))
-    params = map_state_dict(layout, read_checkpoint(model_dir), config.torch_dtype)
-    stored = stored_form(constants_of(layout, params), quantized_modules(layout), config)
+    stored = stored_weights(layout, hf_config, read_checkpoint(model_dir), config)
     graph = {k: v.to(device or config.device) for k, v in graph_weights(hf_config, config, stored).items()}
     return assemble(hf_config, config, graph), stored
 

@@ -25,6 +25,7 @@ from ...neuron.errors import WeightLoadingError
 from ...neuron.graphs import GraphSpec, graph_fields, graph_specs
 from ...neuron.models.image_text import fit_images
 from ...neuron.models.registry import image_text_family
+from ...neuron.prequantized import without_quantization_config
 from ...neuron.progress import Line, StepProgress
 from ...neuron.quantization import fit_weight_format
 from .cache import code_fingerprint
@@ -233,7 +234,9 @@ def _shape(spec: GraphSpec) -> str:
 
 
 def _copy_hf_files(model_dir: Path, out: Path, hf_config: Any) -> None:
-    hf_config.save_pretrained(out)
+    """The model's config (without a pre-quantized checkpoint's quantization_config: the artifact stores its own form,
+    recorded in neuron_config.json) and tokenizer files, into the artifact ``out``."""
+    without_quantization_config(hf_config).save_pretrained(out)
     for name in _HF_FILES:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, out / name)

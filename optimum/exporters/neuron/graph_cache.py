@@ -36,9 +36,17 @@ from .cache import code_fingerprint
 
 GRAPHS_FOLDER = GRAPHS
 """The per-graph cache's folder under the cache root (named once, in the torch-free `cache_admin`)."""
-_MODEL_VOLATILE = ("_name_or_path", "transformers_version", "_commit_hash", "torch_dtype", "dtype")
+_MODEL_VOLATILE = (
+    "_name_or_path",
+    "transformers_version",
+    "_commit_hash",
+    "torch_dtype",
+    "dtype",
+    "quantization_config",
+)
 """Keys of a transformers config that never reach a graph (where the checkpoint came from, the dtype it was saved
-in: weights are cast to ``auto_cast_type``)."""
+in: weights are cast to ``auto_cast_type``; how a pre-quantized checkpoint stores its weights: the graphs follow
+``weight_format`` and ``weight_group_size``, which the export takes from it)."""
 
 
 def spec_record(spec: GraphSpec) -> dict[str, Any]:
