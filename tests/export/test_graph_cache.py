@@ -28,7 +28,7 @@ from optimum.neuron.cache_dir import cache_root
 from optimum.neuron.config import NeuronConfig
 from optimum.neuron.errors import ExportError
 from optimum.neuron.graphs import graph_fields, graph_specs
-from tests.fixtures.llm.models import FIXTURE_KV_BUCKETS, export_fixture, tiny_model
+from tests.fixtures.llm.models import FIXTURE_BLOCK_SIZE, FIXTURE_KV_BUCKETS, export_fixture, tiny_model
 from tests.fixtures.llm.reference import hf_greedy
 
 PROMPT = [5, 17, 42, 9, 33, 71, 2, 64, 12, 90, 7, 41, 28, 3, 55, 19, 80, 11, 6, 25]
@@ -38,6 +38,7 @@ PROMPT = [5, 17, 42, 9, 33, 71, 2, 64, 12, 90, 7, 41, 28, 3, 55, 19, 80, 11, 6, 
 def config(**changes: object) -> NeuronConfig:
     """The tiny export shape of the test fixtures (inductor, the minimal artifact: two graphs)."""
     base = {"batch_size": 2, "sequence_length": 32, "prefill_chunk_size": 8, "kv_buckets": FIXTURE_KV_BUCKETS}
+    base["kv_block_size"] = FIXTURE_BLOCK_SIZE
     base["decode_logits"] = False
     return NeuronConfig(**{**base, **changes})  # type: ignore[arg-type]
 

@@ -85,6 +85,7 @@ def assert_nothing_held(neuron: NeuronModelForCausalLM) -> None:
     """Every slot free, and a greedy generation equal to transformers'."""
     engine = neuron.engine
     assert engine.slots.free_count == engine.config.batch_size
+    assert engine.pool is not None and engine.pool.held == 0, "a KV block is still held"
     out = neuron.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, eos_token_id=[])
     assert out[0, len(PROMPT) :].tolist() == expected()
 
@@ -172,8 +173,9 @@ def test_resume_checks_its_tokens_like_admit() -> None:
                 engine.resume("r", bad)
             assert engine.sequence("r").slot is None and engine.sequence("r").tokens == tokens
             assert engine.slots.free_count == engine.config.batch_size
-        engine.resume("r", tokens)
-        assert engine.sequence("r").slot is not None and engine.sequence("r").pending == len(tokens)
+        resumed = engine.resume("r", tokens)
+        own = len(PROMPT) // engine.block_size * engine.block_size  # its own prompt blocks, still cached
+        assert resumed.slot is not None and (resumed.computed, resumed.pending) == (own, len(tokens) - own)
     finally:
         engine.release("r")
     assert_nothing_held(neuron)

@@ -101,7 +101,7 @@ def test_abort_mid_prefill_frees_slot_and_cached_rows() -> None:
     images = model.images_of(batch["input_ids"], None, batch["pixel_values"], batch["pixel_attention_mask"])[0]
     prompt = batch["input_ids"][0].tolist()
     free = engine.slots.free_count
-    engine.admit("abort", prompt, SamplingParams(), images)
+    engine.admit("abort", prompt, SamplingParams(), images, reuse=False)  # no block of an earlier test reused
     result = engine.step({"abort": images[0].positions[0] + 2})  # part of the first image's rows
     assert result.encoded == [("abort", 0)] and engine.cached_images == 1
     engine.release("abort")  # what vLLM's abort and generate()'s cleanup do
@@ -178,7 +178,7 @@ def test_a_failed_step_restores_the_cached_image_rows() -> None:
     batch = inputs(["hello <image> and <image> what"], [[0, 1]])
     images = model.images_of(batch["input_ids"], None, batch["pixel_values"], batch["pixel_attention_mask"])[0]
     graphs = dict(engine.graphs)
-    engine.admit("atomic", batch["input_ids"][0].tolist(), SamplingParams(), images)
+    engine.admit("atomic", batch["input_ids"][0].tolist(), SamplingParams(), images, reuse=False)
     try:
         engine.step({"atomic": images[0].positions[0] + 2})  # part of the first image's rows
         sequence = engine.sequence("atomic")

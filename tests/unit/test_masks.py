@@ -7,18 +7,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optimum.neuron.graphs import key_positions as keys
 from optimum.neuron.models.layers.masks import (
     actual_tokens_mask,
     chunk_mask,
     chunk_window_mask,
-    chunk_write_positions,
     decode_mask,
     decode_window_mask,
 )
 from optimum.neuron.runtime.padding import pad_chunk
 
 S, C = 16, 8
+
+
+def keys(window: int) -> torch.Tensor:
+    """The positions of a KV window ``[0, window)`` (`attention.window_keys`)."""
+    return torch.arange(window)
 
 
 def test_actual_tokens_from_position_ids() -> None:
@@ -60,20 +63,15 @@ def test_padded_queries_see_exactly_the_last_real_tokens_keys(count: int) -> Non
     assert not mask[:, S + count :].any(), "a padded key was visible"
 
 
-@pytest.mark.parametrize(("count", "start"), [(1, 0), (3, 5), (C, 8)])
-def test_padded_columns_write_to_the_scratch_row_only(count: int, start: int) -> None:
-    _, positions = pad_chunk(list(range(count)), start, C)
-    writes = chunk_write_positions(positions, scratch=S)[0].tolist()
-    assert writes == list(range(start, start + count)) + [S] * (C - count)
-
-
-def test_no_query_ever_reads_the_scratch_row() -> None:
-    cache_len = S + 1  # S positions + the scratch row
+def test_no_query_reads_a_position_at_or_after_its_chunk_from_the_cache() -> None:
+    """Cache keys at or past the chunk's first position (stale rows of the sequence's blocks, the scratch block's
+    positions a short table is padded with) are never read: the chunk's own keys come from the chunk."""
     for count, start in ((1, 0), (C, 8), (3, S - 3)):
         _, positions = pad_chunk(list(range(count)), start, C)
-        assert not chunk_mask(positions, keys(cache_len))[0, 0, :, S].any()
+        assert not chunk_mask(positions, keys(S))[0, 0, :, start:S].any()
     live = torch.arange(S)[:, None]  # every position a live token can decode at
-    assert not decode_mask(live, keys(cache_len))[:, 0, 0, S].any()
+    mask = decode_mask(live, keys(S))[:, 0, 0]
+    assert all(not mask[p, p + 1 :].any() for p in range(S))
 
 
 def test_chunk_mask_without_prior_cache() -> None:
@@ -143,9 +141,9 @@ def reference_window_mask(positions: list[int], cache_len: int, window: int) -> 
 @pytest.mark.parametrize(("count", "start"), WINDOW_CHUNKS)
 def test_chunk_window_mask_matches_rule(count: int, start: int, window: int) -> None:
     _, positions = pad_chunk(list(range(count)), start, C)
-    mask = chunk_window_mask(positions, keys(S + 1), window)
-    assert mask.shape == (1, 1, C, S + 1 + C) and mask.dtype == torch.bool
-    assert torch.equal(mask, reference_window_mask(positions[0].tolist(), S + 1, window))
+    mask = chunk_window_mask(positions, keys(S), window)
+    assert mask.shape == (1, 1, C, S + C) and mask.dtype == torch.bool
+    assert torch.equal(mask, reference_window_mask(positions[0].tolist(), S, window))
     inside = chunk_window_mask(positions, None, window)
     assert torch.equal(inside, reference_window_mask(positions[0].tolist(), 0, window))
 
@@ -154,10 +152,10 @@ def test_chunk_window_mask_matches_rule(count: int, start: int, window: int) -> 
 def test_chunk_straddling_the_window_edge_drops_exactly_the_old_keys(window: int) -> None:
     start = 7  # the chunk covers positions 7..14: the window's lower edge moves through the cache and the chunk
     _, positions = pad_chunk(list(range(C)), start, C)
-    mask = chunk_window_mask(positions, keys(S + 1), window)[0, 0]
+    mask = chunk_window_mask(positions, keys(S), window)[0, 0]
     for i, p in enumerate(range(start, start + C)):
-        cache_keys = [k for k in range(S + 1) if mask[i, k]]
-        chunk_keys = [start + j for j in range(C) if mask[i, S + 1 + j]]
+        cache_keys = [k for k in range(S) if mask[i, k]]
+        chunk_keys = [start + j for j in range(C) if mask[i, S + j]]
         assert cache_keys + chunk_keys == list(range(max(0, p - window + 1), p + 1)), f"query at {p}"
 
 
@@ -165,28 +163,28 @@ def test_chunk_straddling_the_window_edge_drops_exactly_the_old_keys(window: int
 @pytest.mark.parametrize("count", [1, 3, C - 1])
 def test_padded_queries_see_the_last_real_tokens_window(count: int, window: int) -> None:
     _, positions = pad_chunk(list(range(count)), 5, C)
-    mask = chunk_window_mask(positions, keys(S + 1), window)[0, 0]
+    mask = chunk_window_mask(positions, keys(S), window)[0, 0]
     for row in range(count, C):
         assert torch.equal(mask[row], mask[count - 1])
-    assert not mask[:, S].any(), "the scratch row was visible"
-    assert not mask[:, S + 1 + count :].any(), "a padded key was visible"
+    assert not mask[:, 5:S].any(), "a cache position at or past the chunk was visible"
+    assert not mask[:, S + count :].any(), "a padded key was visible"
 
 
 @pytest.mark.parametrize("window", WINDOWS)
 def test_decode_window_mask_reads_the_last_window_positions(window: int) -> None:
     live = torch.arange(S)[:, None]
-    mask = decode_window_mask(live, keys(S + 1), window)
-    assert mask.shape == (S, 1, 1, S + 1)
+    mask = decode_window_mask(live, keys(S), window)
+    assert mask.shape == (S, 1, 1, S)
     for p in range(S):
         assert mask[p, 0, 0].nonzero()[:, 0].tolist() == list(range(max(0, p - window + 1), p + 1))
-    # an idle row sits at the scratch position: its output is discarded, it only needs a non-empty softmax row
-    idle = decode_window_mask(torch.tensor([[S]]), keys(S + 1), window)[0, 0, 0]
-    assert idle.nonzero()[:, 0].tolist() == list(range(max(0, S - window + 1), S + 1))
+    # an idle row sits at position 0 of the scratch block: its output is discarded, it needs a non-empty softmax row
+    idle = decode_window_mask(torch.tensor([[0]]), keys(S), window)[0, 0, 0]
+    assert idle.nonzero()[:, 0].tolist() == [0]
 
 
 def test_window_never_empties_a_row() -> None:
     """The key at a query's own position is always inside its window: no all-masked softmax row."""
     for count, start in WINDOW_CHUNKS:
         _, positions = pad_chunk(list(range(count)), start, C)
-        assert chunk_window_mask(positions, keys(S + 1), 1)[0, 0].any(dim=-1).all()
-    assert decode_window_mask(torch.arange(S + 1)[:, None], keys(S + 1), 1).any(dim=-1).all()
+        assert chunk_window_mask(positions, keys(S), 1)[0, 0].any(dim=-1).all()
+    assert decode_window_mask(torch.arange(S)[:, None], keys(S), 1).any(dim=-1).all()

@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from optimum.neuron.errors import InputError
-from optimum.neuron.runtime.padding import decode_rows, pad_chunk, split_chunks
+from optimum.neuron.models.layers.kv_cache import SCRATCH_BLOCK
+from optimum.neuron.runtime.padding import (
+    SCRATCH_SLOT,
+    DecodeRow,
+    chunk_slots,
+    decode_rows,
+    pad_chunk,
+    slots_of,
+    split_chunks,
+    table_rows,
+)
 
 C = 8
 LENGTHS = [1, C - 1, C, C + 1, 2 * C, 2 * C + 1, 4 * C]
@@ -66,19 +76,39 @@ def test_split_then_pad_covers_consecutive_positions(length: int) -> None:
     assert covered == list(range(length))
 
 
-def test_decode_rows_active_rows_carry_token_and_position() -> None:
-    ids, positions = decode_rows(3, {0: (7, 4), 2: (9, 11)}, sequence_length=32)
-    assert ids[:, 0].tolist() == [7, 0, 9]
-    assert positions[:, 0].tolist() == [4, 32, 11]
-    assert ids.shape == positions.shape == (3, 1)
+BLOCK = 4
 
 
-def test_decode_rows_without_a_decoding_sequence_write_to_the_scratch_row() -> None:
-    # free slots, slots half-way through their prefill, sequences not scheduled: position S, the scratch row
-    _, positions = decode_rows(4, {1: (5, 3)}, sequence_length=32)
-    assert positions[:, 0].tolist() == [32, 3, 32, 32]
+def test_slots_follow_the_block_table() -> None:
+    blocks = [7, 2, 9]  # positions 0-3 in block 7, 4-7 in block 2, 8-11 in block 9
+    assert slots_of(blocks, [0, 3, 4, 7, 8, 11], BLOCK) == [28, 31, 8, 11, 36, 39]
 
 
-def test_decode_rows_with_nothing_to_decode() -> None:
-    ids, positions = decode_rows(2, {}, sequence_length=8)
-    assert ids[:, 0].tolist() == [0, 0] and positions[:, 0].tolist() == [8, 8]
+@pytest.mark.parametrize(("count", "start"), [(1, 0), (3, 5), (C, 8)])
+def test_padded_columns_write_to_the_scratch_block_only(count: int, start: int) -> None:
+    blocks = [3, 5, 6, 1]
+    slots = chunk_slots(blocks, start, count, C, BLOCK)[0].tolist()
+    assert slots[:count] == slots_of(blocks, range(start, start + count), BLOCK)
+    assert slots[count:] == [SCRATCH_SLOT] * (C - count)
+    assert SCRATCH_SLOT // BLOCK == SCRATCH_BLOCK
+
+
+def test_table_rows_pad_with_the_scratch_block() -> None:
+    table = table_rows([[4, 2, 9], None, [1]], width=2)
+    assert table.tolist() == [[4, 2], [SCRATCH_BLOCK] * 2, [1, SCRATCH_BLOCK]]
+
+
+def test_decode_rows_active_rows_carry_token_position_slot_and_table() -> None:
+    rows = decode_rows(3, {0: DecodeRow(7, 4, [5, 6]), 2: DecodeRow(9, 1, [3])}, width=2, block_size=BLOCK)
+    assert rows["input_ids"][:, 0].tolist() == [7, 0, 9]
+    assert rows["position_ids"][:, 0].tolist() == [4, 0, 1]
+    assert rows["slot_mapping"][:, 0].tolist() == [6 * BLOCK, SCRATCH_SLOT, 3 * BLOCK + 1]
+    assert rows["block_table"].tolist() == [[5, 6], [SCRATCH_BLOCK] * 2, [3, SCRATCH_BLOCK]]
+    assert all(t.shape[0] == 3 for t in rows.values())
+
+
+def test_decode_rows_with_nothing_to_decode_touch_only_the_scratch_block() -> None:
+    # free slots, slots half-way through their prefill, sequences not scheduled: the scratch block, read and written
+    rows = decode_rows(2, {}, width=3, block_size=BLOCK)
+    assert rows["input_ids"][:, 0].tolist() == [0, 0] and rows["slot_mapping"][:, 0].tolist() == [SCRATCH_SLOT] * 2
+    assert (rows["block_table"] == SCRATCH_BLOCK).all() and rows["block_table"].shape == (2, 3)

@@ -1,0 +1,95 @@
+"""vLLM's KV cache manager places requests in the artifact's paged cache (each test in a fresh interpreter).
+
+* Prefix caching: a prompt sent again, and a prompt that shares all but its last 25 tokens with an earlier one, are
+  served from the cached blocks: vLLM's ``vllm:prefix_cache_hits`` grows by the cached part, the runner's step records
+  show that only the other tokens were prefilled, and the tokens equal transformers'.
+* A pool smaller than the slots need at full length: vLLM preempts (``vllm:num_preemptions``) and recomputes, every
+  output still equals transformers', and after 100 aborted requests no block is held, by vLLM
+  (``vllm:kv_cache_usage_perc``) or by the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.fixtures.llm.models import export_fixture, tiny_model
+from tests.fixtures.llm.reference import hf_greedy
+from tests.utils import settled, subprocess_test
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+BLOCK = 4
+"""The fixtures' KV block size."""
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(max_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def metric(llm: Any, name: str) -> float:
+    """The value of vLLM's metric ``name`` summed over its labels (``LLM.get_metrics``)."""
+    return sum(float(m.value) for m in llm.get_metrics() if m.name == name)
+
+
+def fed_since(llm: Any, steps: int) -> list[tuple[str, int, int]]:
+    """``(request, start, count)`` of every prefill the runner ran after its first ``steps`` recorded steps."""
+    return [tuple(p) for r in llm.collective_rpc("step_records")[0][steps:] for p in r["prefills"]]
+
+
+@subprocess_test
+def test_prefix_cache_serves_resent_and_shared_prompts_from_cached_blocks() -> None:
+    import os
+
+    from vllm import LLM
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core and its metrics in this process
+    artifact = export_fixture("llama-2x8x16-eager")
+    shared = prompt(45, 1)
+    first, second = shared + prompt(25, 2), shared + prompt(25, 3)  # the second shares all but its last 25 tokens
+    llm = LLM(model=str(artifact), seed=0, disable_log_stats=False)
+    model = tiny_model("llama")
+    runs = [(first, 0), (first, 17 * BLOCK), (second, 11 * BLOCK)]  # cached: none, all but the last token's block
+    for ids, cached in runs:
+        hits, steps = metric(llm, "vllm:prefix_cache_hits"), len(llm.collective_rpc("step_records")[0])
+        out = llm.generate([{"prompt_token_ids": ids}], greedy(6), use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == hf_greedy(model, ids, 6), f"cached {cached}: not transformers'"
+        assert metric(llm, "vllm:prefix_cache_hits") - hits == cached, f"vLLM's hits for {cached} cached tokens"
+        prefills = fed_since(llm, steps)
+        assert prefills[0][1] == cached, f"the prefill did not start after the cached blocks: {prefills}"
+        assert sum(count for _, _, count in prefills) == len(ids) - cached, f"cached tokens prefilled: {prefills}"
+
+
+@subprocess_test
+def test_a_small_pool_preempts_recomputes_and_leaks_no_block() -> None:
+    import os
+
+    from vllm import LLM
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    artifact = export_fixture("llama-2x4x8-pool32-eager")  # 8 blocks of 4: one sequence at its full 32 positions
+    prompts = [prompt(14, 10 + i) for i in range(4)]  # each grows to 26 positions (7 blocks): two do not fit
+    llm = LLM(model=str(artifact), seed=0, disable_log_stats=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(12), use_tqdm=False)
+    model = tiny_model("llama")
+    for ids, out in zip(prompts, outs, strict=True):
+        assert list(out.outputs[0].token_ids) == hf_greedy(model, ids, 12), "a preempted request changed its tokens"
+    assert metric(llm, "vllm:num_preemptions") > 0, "the pool was large enough: nothing was preempted"
+    engine = llm.llm_engine
+    for i in range(100):
+        engine.add_request(f"abort-{i}", {"prompt_token_ids": prompt(6 + i % 20, 100 + i)}, greedy(20))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request([f"abort-{i}" for i in range(100)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()  # the workers learn of the aborts from the next scheduler output
+    assert metric(llm, "vllm:kv_cache_usage_perc") == 0, "vLLM still counts blocks in use after the aborts"
+    assert settled(lambda: llm.collective_rpc("block_usage"), [{}]) == [{}], "the engine still holds blocks"
