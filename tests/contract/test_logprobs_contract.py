@@ -92,8 +92,8 @@ def test_greedy_top_logprobs_match_transformers(backend: str) -> None:
     engine = neuron_model(logprobs_fixture(backend, chunked=True)).engine
     ids, other, steps = prompt(CHUNK + 3, 11), prompt(5, 12), 6
     want_other = generate_tokens(engine, [other], steps + 2, SAMPLED, set())[0]  # on-device sampling: no logits
-    engine.admit("lp", ids, SamplingParams(logprobs=5))
-    engine.admit("plain", other, SAMPLED)
+    engine.admit("lp", ids, SamplingParams(logprobs=5), reuse=False)
+    engine.admit("plain", other, SAMPLED, reuse=False)  # prefilled whole, though generated above
     graphs = dict(engine.graphs)
     recorder = Recorder(engine)
     try:
@@ -128,7 +128,7 @@ def test_one_token_with_logprobs_runs_on_an_artifact_without_decode_logits(backe
     """max_tokens=1: the token and its logprobs come from the prefill logits; a decode past it is refused."""
     engine = neuron_model(f"llama-2x4x8-{backend}").engine  # --no_decode_logits
     ids = prompt(CHUNK + 2, 14)
-    engine.admit("one", ids, SamplingParams(logprobs=2, max_tokens=1))
+    engine.admit("one", ids, SamplingParams(logprobs=2, max_tokens=1), reuse=False)
     try:
         result = engine.step({"one": len(ids)})
         with pytest.raises(InputError, match="max_tokens=1"):

@@ -23,18 +23,18 @@ def drive(engine: Engine) -> None:
     (a chunk starting past the small window, decodes inside and past it)."""
     sampled = SamplingParams(True, 0.7, 20, 0.9, 3)
     for index, length in enumerate((1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1, 3 * CHUNK + 1)):
-        engine.admit(index, prompt(length, index), sampled if index % 2 else GREEDY)
+        engine.admit(index, prompt(length, index), sampled if index % 2 else GREEDY, reuse=False)  # runs twice
         engine.step({index: length})
         if index < 4:
             engine.release(index)
     for work in ({4: 1}, {5: 1}, {4: 1, 5: 1}):
         engine.step(work)
     engine.release(4)
-    engine.admit(6, prompt(2 * CHUNK + 3, 6), GREEDY)
+    engine.admit(6, prompt(2 * CHUNK + 3, 6), GREEDY, reuse=False)
     engine.step({5: 1, 6: CHUNK if engine.config.prefill_chunk_size else 2 * CHUNK + 3})
     engine.release(5)
     engine.release(6)
-    engine.admit(7, prompt(3, 7), GREEDY)
+    engine.admit(7, prompt(3, 7), GREEDY, reuse=False)
     engine.step({7: 3})
     engine.step({7: 1})  # a decode in the smallest window
     engine.release(7)
