@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from optimum.neuron.artifact import Artifact
-from optimum.neuron.runtime.engine import Engine
 from optimum.neuron.models.layers.kv_cache import SCRATCH_BLOCK
+from optimum.neuron.runtime.engine import Engine
 from tests.contract.engine_tools import GREEDY, sequence_slots
 from tests.models.exports import CHUNK, dtype_fixture
 

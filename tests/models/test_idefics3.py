@@ -66,7 +66,7 @@ def test_vision_graph_runs_once_per_image_and_rows_are_dropped_when_consumed() -
     graphs = dict(engine.graphs)
     recorder = Recorder(engine)
     try:
-        engine.admit("r", batch["input_ids"][0].tolist(), SamplingParams(), images)
+        engine.admit("r", batch["input_ids"][0].tolist(), SamplingParams(), images, reuse=False)
         encoded, cached = [], []
         while engine.sequence("r").pending > 1 or not engine.sequence("r").generated:
             result = engine.step({"r": min(8, engine.sequence("r").pending)})
@@ -212,3 +212,31 @@ def test_a_failed_step_restores_the_cached_image_rows() -> None:
     finally:
         engine.release("atomic")
         engine.graphs.update(graphs)
+
+
+def test_prefix_cache_shares_blocks_only_for_the_same_images() -> None:
+    """A prompt sent again with the same image reuses its blocks (the image's rows included: its encoder call is
+    skipped); the same tokens with another image share only the blocks before the image's first position."""
+    model = NeuronModelForImageTextToText.from_pretrained(idefics3_export(8))  # its own engine: a clean prefix cache
+    engine = model.engine
+    text = "hello the <image> what is this and what is that"  # text after the image: a hit can cover all of it
+    first = inputs([text], [[0]])
+    other = {**first, "pixel_values": first["pixel_values"].flip(-1)}  # the same tiles and tokens, other pixels
+    start, end = image_spans(first["input_ids"][0].tolist())[0]
+    runs = []
+    for batch in (first, first, other):
+        prompt = batch["input_ids"][0].tolist()
+        images = model.images_of(batch["input_ids"], None, batch["pixel_values"], batch["pixel_attention_mask"])[0]
+        sequence = engine.admit("p", prompt, SamplingParams(), images)
+        try:
+            computed, result = sequence.computed, engine.step({"p": sequence.pending})
+        finally:
+            engine.release("p")
+        runs.append((computed, result.encoded, result.tokens["p"]))
+    (cold, encoded, token), (warm, again, same), (shared, changed, _) = runs
+    block = engine.block_size
+    assert cold == 0 and encoded == [("p", 0)]
+    assert warm == (len(first["input_ids"][0]) - 1) // block * block > end, "the image's blocks were not reused"
+    assert again == [] and same == token, "a hit covering the image still encoded it, or changed the token"
+    assert shared == start // block * block and changed == [("p", 0)], "another image shared the image's blocks"
+    assert token == transformers_tokens(first)[0][0]

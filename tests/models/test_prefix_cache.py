@@ -43,7 +43,7 @@ def test_chat_loop_prefills_only_each_new_turn() -> None:
         history = history + prompt(9 + 4 * turn, 40 + turn)  # the user's new turn
         out = model.generate(torch.tensor([history]), max_new_tokens=NEW, eos_token_id=[])[0, len(history) :]
         assert out.tolist() == hf_greedy(tiny_model("llama"), history, NEW), f"turn {turn}"
-        (_, start, count), = ran[-1:]
+        ((_, start, count),) = ran[-1:]
         before = len(history) - (9 + 4 * turn)  # the history the previous calls computed (their last token: not)
         cached = 0 if turn == 0 else (before - 1) // block * block
         assert (start, count) == (cached, len(history) - cached), f"turn {turn}: prefilled {ran[-1]}"

@@ -48,7 +48,7 @@ def test_hashes_depend_on_every_earlier_block() -> None:
 def test_allocation_is_all_or_nothing_and_never_gives_the_scratch_block() -> None:
     pool = BlockPool(num_blocks=5, block_size=BLOCK)
     assert pool.allocate(2, "fix it") == [1, 2]
-    with pytest.raises(KVCacheFullError, match="2 free blocks .* 3 are needed: fix it"):
+    with pytest.raises(KVCacheFullError, match=r"2 free blocks .* 3 are needed: fix it"):
         pool.allocate(3, "fix it")
     assert pool.free_count == 2 and pool.held == 2, "a refused allocation took blocks"
     assert sorted(pool.allocate(2, "")) == [3, 4]

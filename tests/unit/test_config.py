@@ -45,6 +45,13 @@ INVALID = [
     ({"linear_kernel": "packed", "auto_cast_type": "bf16"}, "--linear_kernel auto"),
     ({"linear_kernel": "packed", "backend": "xla"}, "--linear_kernel auto"),
     ({"linear_kernel": "packed", "device": "cuda"}, "--linear_kernel auto"),
+    ({"sequence_length": 32, "kv_block_size": 3}, "--kv_block_size with a divisor of them, e.g. 2"),
+    ({"sequence_length": 64, "kv_buckets": "16", "kv_block_size": 32}, "every KV window [16, 64]"),
+    ({"kv_block_size": -4}, "--kv_block_size N"),
+    ({"kv_block_size": 1.5}, "--kv_block_size N"),
+    ({"sequence_length": 32, "kv_cache_tokens": 16}, "--kv_cache_tokens 32"),
+    ({"sequence_length": 32, "kv_block_size": 8, "kv_cache_tokens": 36}, "--kv_cache_tokens 40"),
+    ({"kv_cache_tokens": True}, "--kv_cache_tokens N"),
 ]
 
 
@@ -74,6 +81,24 @@ def test_invalid_field_raises_typed_error_naming_the_fix(changes: dict, fix: str
 )
 def test_linear_kernel_auto_packs_fp32_cpu_graphs(changes: dict, packs: bool) -> None:
     assert chunked(**changes).packed_linears is packs
+
+
+@pytest.mark.parametrize(
+    ("changes", "block", "blocks"),
+    [
+        ({"sequence_length": 1024, "batch_size": 4}, 32, 4 * 1024 // 32 + 1),  # windows 256, 512, 1024
+        ({"sequence_length": 32, "kv_buckets": "16"}, 16, 2 * 32 // 16 + 1),
+        ({"sequence_length": 24, "kv_buckets": "none"}, 8, 2 * 24 // 8 + 1),
+        ({"sequence_length": 1024, "kv_block_size": 64, "kv_cache_tokens": 2048}, 64, 2048 // 64 + 1),
+    ],
+)
+def test_paged_cache_block_size_and_blocks(changes: dict, block: int, blocks: int) -> None:
+    """``kv_block_size=0`` picks the largest of 32, 16, ... dividing the sequence length and every window; the cache
+    holds the pool (``batch_size x sequence_length`` by default) and the scratch block."""
+    config = chunked(prefill_chunk_size=8, **changes)
+    assert (config.block_size, config.kv_blocks) == (block, blocks)
+    recorded = json.loads(config.to_json([]))["kv_cache"]
+    assert recorded == {"block_size": block, "blocks": blocks, "tokens": (blocks - 1) * block}
 
 
 def test_typed_error_is_also_a_value_error() -> None:

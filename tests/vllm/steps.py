@@ -25,7 +25,9 @@ def step(
     return Step(new or [], cached or [], scheduled, finished or set(), preempted or set())
 
 
-def new_request(req_id: str, ids: list[int], params: VllmParams = GREEDY, blocks: list[int] | None = None) -> NewRequest:
+def new_request(
+    req_id: str, ids: list[int], params: VllmParams = GREEDY, blocks: list[int] | None = None
+) -> NewRequest:
     """A new request; a `Driver` gives it its blocks when ``blocks`` is None."""
     return NewRequest(req_id, ids, params, 0, blocks or [])
 

@@ -3,7 +3,8 @@
 `Admission` is built from the artifact's configs alone (no engine, no weights, no graphs), so the same checks run in
 `Engine.admit` and, before a request is scheduled, in the vLLM platform (`Platform.validate_request`, HTTP 400): a
 prompt that fits a slot and holds only vocabulary ids, images that fit the artifact and the prompt (or none for a
-text-only artifact), sampling within the artifact's ``max_topk``, and the graphs the sampling needs.
+text-only artifact), sampling within the artifact's ``max_topk``, and the graphs the sampling needs. Also what one
+step may feed an admitted sequence (`Admission.check_work`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..errors import InputError
 from ..models.registry import image_text_family, language_config
 from .images import ImageInput, ImageLimits, check_images
 from .sampling import SamplingParams
+from .sequence import Sequence as Seq
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,29 @@ class Admission:
         params.check(self.config.max_topk, self.vocab_size)
         params.check_graphs(self.config)
         return tokens
+
+    def check_work(self, sequence: Seq, count: int) -> None:
+        """`InputError` unless the graphs can feed ``count`` pending tokens of admitted ``sequence`` in one step: it
+        holds a slot, has that many pending, room for them, has not reached its ``max_tokens``, and (an artifact
+        without a chunked-prefill graph) its prompt goes in whole from position 0."""
+        name, limit = sequence.seq_id, self.config.sequence_length
+        if sequence.slot is None:
+            raise InputError(f"sequence {name!r} is preempted: resume() it before scheduling its tokens.")
+        if not 1 <= count <= sequence.pending:
+            raise InputError(f"sequence {name!r} has {sequence.pending} pending tokens; {count} were scheduled.")
+        if sequence.computed + count > limit:
+            raise InputError(
+                f"sequence {name!r} is full ({limit} tokens): finish it, or re-export with a larger --sequence_length."
+            )
+        most = sequence.sampler.params.max_tokens
+        if sequence.decoding and most is not None and len(sequence.generated) >= most:
+            raise InputError(f"sequence {name!r} already sampled its max_tokens={most} tokens: release it.")
+        whole = sequence.computed == 0 and count == sequence.pending
+        if not self.config.prefill_chunk_size and not sequence.decoding and not whole:
+            raise InputError(
+                f"this artifact has no chunked-prefill graph: sequence {name!r} must be prefilled whole from position "
+                f"0 ({sequence.pending} tokens), or re-export with --prefill_chunk_size C."
+            )
 
     def checked_prompt(self, prompt: Sequence[int]) -> list[int]:
         """``prompt`` as a list of ints; `InputError` unless it fits a slot and holds only vocabulary ids."""

@@ -33,12 +33,12 @@ from ..models.base import StaticDecoder, graph_module
 from ..models.layers.masks import actual_tokens_mask
 from ..models.registry import language_config
 from .admission import Admission
-from .images import ImageInput, SequenceImages
-from .logprobs import PromptScorer, token_logprobs
 from .blocks import BlockPool
+from .images import ImageInput, SequenceImages
+from .logprobs import PromptScorer
 from .padding import DecodeRow, chunk_slots, decode_rows, pad_chunk, pad_image_rows, pad_tiles, split_chunks, table_rows
 from .parallel import tensor_parallel_rank
-from .placement import CallerPlacement, Placement, PooledPlacement
+from .placement import CallerPlacement, Placement, PooledPlacement, place, placement_for
 from .sampling import HostSampler, SamplingParams, SequenceSampler, sample_on_host, sampling_tensors
 from .sequence import Checkpoint, SeqId, Sequence, StepResult
 from .slots import SlotTable
@@ -70,15 +70,8 @@ class Engine:
         self.kv_cache = allocate_cache(self.hf_config, self.config, self.device)
         self.slots = SlotTable(self.config.batch_size)
         self.block_size = self.config.block_size
-        self.pool: BlockPool | None = None
-        """The engine's own block pool (None when the caller places the blocks)."""
-        self.placement: Placement
-        if caller_blocks:
-            self.placement = CallerPlacement(self.config.kv_blocks, self.block_size)
-        else:
-            self.pool = BlockPool(self.config.kv_blocks, self.block_size)
-            chunked = self.prefill_kind is GraphKind.CHUNKED_PREFILL
-            self.placement = PooledPlacement(self.pool, reuse=prefix_cache and chunked)
+        self.placement: Placement = placement_for(self.config, caller_blocks, prefix_cache)
+        """Where sequences' blocks come from (`runtime.placement`)."""
         self._sequences: dict[SeqId, Sequence] = {}
         self._decoder: StaticDecoder | None = None
         self.specs = {spec.name: spec for spec in graph_specs(self.config)}
@@ -145,21 +138,15 @@ class Engine:
         pictures = None if self.image_limits is None else SequenceImages(list(images))
         capacity = self.config.sequence_length
         sequence = Sequence(seq_id, None, tokens, len(tokens), capacity, sampler, scorer=scorer, images=pictures)
-        self._place(sequence, blocks, computed, reserve, reuse)
+        place(self.placement, sequence, blocks, computed, reserve, reuse)
         sequence.slot = self._take_slot(sequence)
         self._sequences[seq_id] = sequence
         return sequence
 
-    def _place(self, sequence: Sequence, blocks: Seq[int] | None, computed: int, reserve: int, reuse: bool) -> None:
-        """Give ``sequence`` its blocks (`placement`): the caller's, or the engine's own pool's."""
-        if isinstance(self.placement, CallerPlacement):
-            if blocks is None:
-                raise InputError(f"sequence {sequence.seq_id!r}: this engine's caller places blocks; pass blocks=.")
-            self.placement.admit(sequence, blocks, computed)
-        elif blocks is not None or computed:
-            raise InputError("this engine places sequences itself: admit without blocks= or computed=.")
-        else:
-            self.placement.admit(sequence, reserve, reuse)
+    @property
+    def pool(self) -> BlockPool | None:
+        """The engine's own block pool (None when the caller places the blocks)."""
+        return self.placement.pool if isinstance(self.placement, PooledPlacement) else None
 
     def _take_slot(self, sequence: Sequence) -> int:
         """A slot for ``sequence``, placed already; its blocks are given back when no slot is free."""
@@ -232,7 +219,7 @@ class Engine:
         if checked is not None:
             sequence.tokens = checked
         try:
-            self._place(sequence, blocks, computed, 0, True)
+            place(self.placement, sequence, blocks, computed, 0, True)
             sequence.slot = self._take_slot(sequence)
         except Exception:
             sequence.tokens, sequence.computed = kept, 0
@@ -288,7 +275,7 @@ class Engine:
         decodes, prefills = [], []
         for seq_id, count in work.items():
             sequence = self.sequence(seq_id)
-            self._check_work(sequence, count)
+            self.admission.check_work(sequence, count)
             self.placement.ensure(sequence, sequence.computed + count)
             if sampler is None and sequence.sampler.params.host is not None:
                 raise InputError(f"sequence {seq_id!r} is sampled by a HostSampler: pass one to step().")
@@ -297,26 +284,6 @@ class Engine:
             else:
                 prefills.append((sequence, count))
         return decodes, prefills
-
-    def _check_work(self, sequence: Sequence, count: int) -> None:
-        name, limit = sequence.seq_id, self.config.sequence_length
-        if sequence.slot is None:
-            raise InputError(f"sequence {name!r} is preempted: resume() it before scheduling its tokens.")
-        if not 1 <= count <= sequence.pending:
-            raise InputError(f"sequence {name!r} has {sequence.pending} pending tokens; {count} were scheduled.")
-        if sequence.computed + count > limit:
-            raise InputError(
-                f"sequence {name!r} is full ({limit} tokens): finish it, or re-export with a larger --sequence_length."
-            )
-        most = sequence.sampler.params.max_tokens
-        if sequence.decoding and most is not None and len(sequence.generated) >= most:
-            raise InputError(f"sequence {name!r} already sampled its max_tokens={most} tokens: release it.")
-        whole = sequence.computed == 0 and count == sequence.pending
-        if self.prefill_kind is GraphKind.CONTEXT_ENCODING and not sequence.decoding and not whole:
-            raise InputError(
-                f"this artifact has no chunked-prefill graph: sequence {name!r} must be prefilled whole from position "
-                f"0 ({sequence.pending} tokens), or re-export with --prefill_chunk_size C."
-            )
 
     def _decode(self, decodes: list[Sequence], result: StepResult, host: HostRows) -> None:
         """One token-generation call: row b is the sequence holding slot b; rows without a decoding sequence write to
@@ -338,7 +305,7 @@ class Engine:
         tokens = out.cpu() if logits is None else sample_on_host(logits, rows, self.config.max_topk)
         for slot, sequence in by_slot.items():
             if slot in ours:
-                self._append(sequence, int(tokens[slot]), result, None if logits is None else logits[slot])
+                result.append(sequence, int(tokens[slot]), None if logits is None else logits[slot])
             else:
                 assert logits is not None, "a host-sampled sequence always runs the graph returning logits"
                 host[slot] = (sequence, logits[slot])
@@ -367,7 +334,7 @@ class Engine:
             host[_held(sequence)] = (sequence, logits)
             return
         token = sample_on_host(logits[None], [sequence.sampler], self.config.max_topk)[0]
-        self._append(sequence, int(token), result, logits)
+        result.append(sequence, int(token), logits)
 
     def _run_prefill(
         self, token_ids: list[int], start: int, sequence: Sequence, result: StepResult, all_rows: bool
@@ -416,32 +383,12 @@ class Engine:
             logits[slot] = row
         tokens, scored = sampler.sample(logits, {slot: sequence for slot, (sequence, _) in host.items()})
         for slot, (sequence, row) in host.items():
-            self._append(sequence, int(tokens[slot]), result, row, scored[slot])
+            result.append(sequence, int(tokens[slot]), row, scored[slot])
 
     def _call(self, spec: GraphSpec, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run graph ``spec`` on ``inputs`` (a graph reading the cache: in the KV window of its ``block_table``)."""
         placed = {k: v.to(self.device) for k, v in inputs.items()}
         return self.graphs[spec.name](*graph_args(spec.kind, placed, self.kv_cache))
-
-    @staticmethod
-    def _append(
-        sequence: Sequence,
-        token: int,
-        result: StepResult,
-        logits: torch.Tensor | None = None,
-        scored: torch.Tensor | None = None,
-    ) -> None:
-        """Append ``token``; report it, with the ``logits [V]`` it was sampled from when they reached the host and,
-        when asked, its logprobs (computed from ``scored``, the logits as the sampler saw them; default ``logits``)."""
-        sequence.tokens.append(token)
-        result.tokens[sequence.seq_id] = token
-        if logits is None:
-            return
-        result.logits[sequence.seq_id] = logits
-        top = sequence.sampler.params.logprobs
-        if top is not None:
-            basis = logits if scored is None else scored
-            result.logprobs[sequence.seq_id] = token_logprobs(basis[None], torch.tensor([token]), top)
 
 
 def _held(sequence: Sequence) -> int:

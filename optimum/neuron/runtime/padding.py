@@ -83,7 +83,12 @@ def decode_rows(batch_size: int, active: dict[int, DecodeRow], width: int, block
         ids[row, 0], positions[row, 0] = token, position
         slots[row, 0] = slots_of(blocks, [position], block_size)[0]
         tables[row] = blocks
-    return {"input_ids": ids, "position_ids": positions, "slot_mapping": slots, "block_table": table_rows(tables, width)}
+    return {
+        "input_ids": ids,
+        "position_ids": positions,
+        "slot_mapping": slots,
+        "block_table": table_rows(tables, width),
+    }
 
 
 def pad_tiles(pixels: torch.Tensor, size: int) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+from ..config import NeuronConfig
 from ..errors import InputError
 from .blocks import BlockPool, block_hash
 from .sequence import Sequence
@@ -133,3 +134,29 @@ class CallerPlacement:
 
 
 Placement = PooledPlacement | CallerPlacement
+
+
+def placement_for(config: NeuronConfig, caller_blocks: bool, prefix_cache: bool) -> Placement:
+    """The placement of an engine serving ``config``: the caller's blocks, or the engine's own pool of the artifact's
+    blocks, with prefix caching when asked and the artifact can use it (a chunked-prefill graph: context encoding
+    always starts at position 0)."""
+    if caller_blocks:
+        return CallerPlacement(config.kv_blocks, config.block_size)
+    chunked = config.prefill_chunk_size > 0
+    return PooledPlacement(BlockPool(config.kv_blocks, config.block_size), reuse=prefix_cache and chunked)
+
+
+def place(
+    placement: Placement, sequence: Sequence, blocks: Seq[int] | None, computed: int, reserve: int, reuse: bool
+) -> None:
+    """Give a new or resumed ``sequence`` its blocks: the caller's ``blocks`` with ``computed`` tokens in them, or the
+    engine's own (``reserve`` positions, a cached prefix reused unless ``reuse`` is off); `InputError` when the
+    arguments do not fit the placement."""
+    if isinstance(placement, CallerPlacement):
+        if blocks is None:
+            raise InputError(f"sequence {sequence.seq_id!r}: this engine's caller places blocks; pass blocks=.")
+        placement.admit(sequence, blocks, computed)
+    elif blocks is not None or computed:
+        raise InputError("this engine places sequences itself: admit without blocks= or computed=.")
+    else:
+        placement.admit(sequence, reserve, reuse)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .images import SequenceImages
-from .logprobs import Logprobs, PromptScorer
+from .logprobs import Logprobs, PromptScorer, token_logprobs
 from .sampling import SequenceSampler
 
 SeqId = Hashable
@@ -92,6 +92,22 @@ class StepResult:
     """``(seq_id, start, count)`` of every prefill range, in the order they ran."""
     encoded: list[tuple[SeqId, int]] = field(default_factory=list)
     """``(seq_id, image index)`` of every image encoded by the vision-encoder graph, in the order they ran."""
+
+    def append(
+        self, sequence: Sequence, token: int, logits: torch.Tensor | None = None, scored: torch.Tensor | None = None
+    ) -> None:
+        """Append ``token`` to ``sequence`` and report it, with the ``logits [V]`` it was sampled from when they reached
+        the host and, when asked, its logprobs (computed from ``scored``, the logits as the sampler saw them; default
+        ``logits``)."""
+        sequence.tokens.append(token)
+        self.tokens[sequence.seq_id] = token
+        if logits is None:
+            return
+        self.logits[sequence.seq_id] = logits
+        top = sequence.sampler.params.logprobs
+        if top is not None:
+            basis = logits if scored is None else scored
+            self.logprobs[sequence.seq_id] = token_logprobs(basis[None], torch.tensor([token]), top)
 
 
 @dataclass(frozen=True)
