@@ -2,7 +2,8 @@
 
 * Prefix caching: a prompt sent again, and a prompt that shares all but its last 25 tokens with an earlier one, are
   served from the cached blocks: vLLM's ``vllm:prefix_cache_hits`` grows by the cached part, the runner's step records
-  show that only the other tokens were prefilled, and the tokens equal transformers'.
+  show that only the other tokens were prefilled, and the tokens equal transformers' (in ``vllm.LLM`` and through
+  ``vllm serve`` over HTTP).
 * A pool smaller than the slots need at full length: vLLM preempts (``vllm:num_preemptions``) and recomputes, every
   output still equals transformers', and after 100 aborted requests no block is held, by vLLM
   (``vllm:kv_cache_usage_perc``) or by the engine.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ import torch
 from tests.fixtures.llm.models import export_fixture, tiny_model
 from tests.fixtures.llm.reference import hf_greedy
 from tests.utils import settled, subprocess_test
+from tests.vllm.server import vllm_serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BLOCK = 4
@@ -93,3 +96,38 @@ def test_a_small_pool_preempts_recomputes_and_leaks_no_block() -> None:
     engine.step()  # the workers learn of the aborts from the next scheduler output
     assert metric(llm, "vllm:kv_cache_usage_perc") == 0, "vLLM still counts blocks in use after the aborts"
     assert settled(lambda: llm.collective_rpc("block_usage"), [{}]) == [{}], "the engine still holds blocks"
+
+
+def served_counter(server: Any, name: str) -> float:
+    """vLLM's Prometheus counter ``name`` (``_total``) summed over its labels, from the server's ``/metrics``."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(server.base + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    pattern = rf"^{re.escape(name)}_total(?:\{{[^}}]*\}})? ([0-9.e+]+)$"
+    return sum(float(value) for value in re.findall(pattern, text, re.MULTILINE))
+
+
+@subprocess_test
+def test_vllm_serve_serves_resent_and_shared_prompts_from_cached_blocks(tmp_path: Path) -> None:
+    """The same through ``vllm serve`` over HTTP: prompts as token ids on ``/v1/completions``, the hits from
+    ``/metrics``, the prefills from the runner's records (``/collective_rpc``)."""
+    import os
+
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc
+    artifact = export_fixture("llama-2x8x16-eager")
+    shared = prompt(45, 4)
+    first, second = shared + prompt(25, 5), shared + prompt(25, 6)
+    model = tiny_model("llama")
+    with vllm_serve(artifact, tmp_path / "serve.log") as server:
+        name = server.get("/v1/models")["data"][0]["id"]
+        for ids, cached in ((first, 0), (first, 17 * BLOCK), (second, 11 * BLOCK)):
+            hits, steps = served_counter(server, "vllm:prefix_cache_hits"), len(server.rpc("step_records")[0])
+            body = {"model": name, "prompt": ids, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+            body["return_token_ids"] = True
+            choice = server.post("/v1/completions", body)["choices"][0]
+            assert choice["token_ids"] == hf_greedy(model, ids, 6), f"cached {cached}: not transformers' tokens"
+            assert served_counter(server, "vllm:prefix_cache_hits") - hits == cached, f"hits for {cached} cached"
+            prefills = [p for r in server.rpc("step_records")[0][steps:] for p in r["prefills"]]
+            assert prefills[0][1] == cached and sum(p[2] for p in prefills) == len(ids) - cached, prefills
