@@ -157,7 +157,7 @@ def test_resume_checks_its_tokens_like_admit() -> None:
     """resume() refuses tokens admit would refuse (or fewer than the prompt) and changes nothing; then resumes."""
     neuron = model()
     engine = neuron.engine
-    engine.admit("r", PROMPT, SamplingParams())
+    engine.admit("r", PROMPT, SamplingParams(), reuse=False)  # prefilled whole, though generated before
     try:
         engine.step({"r": len(PROMPT)})
         engine.preempt("r")

@@ -150,7 +150,7 @@ def _image_prefill_logits(model: NeuronModelForImageTextToText, batch: dict) -> 
     """The last prompt token's logits ``[V]`` of row 0 of ``batch``, prefilled with its images in one step."""
     images = model.images_of(batch["input_ids"], None, batch["pixel_values"], batch["pixel_attention_mask"])[0]
     prompt_ids = batch["input_ids"][0].tolist()
-    model.engine.admit("bf16-probe", prompt_ids, SamplingParams(), images)
+    model.engine.admit("bf16-probe", prompt_ids, SamplingParams(), images, reuse=False)  # generated above
     try:
         return model.engine.step({"bf16-probe": len(prompt_ids)}).logits["bf16-probe"]
     finally:

@@ -2,7 +2,7 @@
 `LLM.generate` with ``multi_modal_data`` and ``vllm serve`` chat with a base64 ``image_url`` give transformers'
 greedy tokens through vLLM's own multimodal processor and scheduler; more images than the artifact serves, and
 tiles of another size than the artifact's (a request's ``mm_processor_kwargs``), are refused before the request is
-scheduled, naming the fix, and the engine serves on."""
+scheduled, naming the fix, and the engine serves on; prompts share cached blocks only with the same images."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_llm_generate_with_images_equals_transformers() -> None:
     from vllm.exceptions import VLLMValidationError
 
     pictures = sample_images()
-    llm = LLM(model=str(idefics3_export(8)), seed=0)
+    llm = LLM(model=str(idefics3_export(8)), seed=0, disable_log_stats=False)  # metrics: the prefix-cache hits
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     prompts: list[Any] = [
         {"prompt": t, "multi_modal_data": {"image": [pictures[i] for i in ims]}} for t, ims in REQUESTS
@@ -60,6 +60,31 @@ def test_llm_generate_with_images_equals_transformers() -> None:
     again = llm.generate([prompts[2]], params)[0].outputs[0].token_ids
     assert list(again) == transformers_tokens(*REQUESTS[2]), "the engine serves on after the refusal"
     assert settled(lambda: llm.collective_rpc("slot_usage"), [{}]) == [{}]
+    check_prefix_cache(llm, params)
+
+
+def check_prefix_cache(llm: Any, params: Any) -> None:
+    """vLLM keys an image-text prompt's blocks by its images too: a prompt and image sent again is served from the
+    cached blocks, its image's encoder call skipped (the hit covers every image position); the same tokens with
+    another image of the same size share only the blocks before the image."""
+    from PIL import ImageOps
+
+    picture = sample_images()[2]  # an image no earlier request of the test sent with this text
+    text = "hello the <image> what is this and what is that"  # text after the image: a hit can cover all of it
+    runs = []
+    for image in (picture, picture, ImageOps.mirror(picture)):  # the mirror: the same tiles, other pixels
+        hits = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits")
+        steps = len(llm.collective_rpc("step_records")[0])
+        out = llm.generate([{"prompt": text, "multi_modal_data": {"image": [image]}}], params, use_tqdm=False)[0]
+        records = llm.collective_rpc("step_records")[0][steps:]
+        hit = sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits") - hits
+        encoded = [e for r in records for e in r["encoded"]]
+        runs.append((hit, len(encoded), list(out.outputs[0].token_ids), len(out.prompt_token_ids)))
+    (cold, cold_calls, tokens, length), (warm, warm_calls, again, _), (other, other_calls, _, _) = runs
+    assert cold == 0 and cold_calls == 1
+    assert warm == (length - 1) // 4 * 4 and warm_calls == 0, "the same image: its blocks and rows were not reused"
+    assert again == tokens == transformers_tokens(text, [2])
+    assert other < warm and other_calls == 1, "another image shared the first image's blocks"
 
 
 def _data_url(index: int) -> str:

@@ -31,7 +31,10 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     assert (sched.max_num_seqs, config.model_config.max_model_len) == (2, 32)
     assert sched.enable_chunked_prefill and sched.max_num_batched_tokens == 8, "token budget = one chunk"
     assert config.parallel_config.worker_cls == "optimum.neuron.vllm.worker.NeuronxWorker"
-    assert not config.cache_config.enable_prefix_caching
+    cache = config.cache_config  # vLLM places requests in the artifact's paged cache, prefix caching on
+    assert (cache.block_size, cache.num_gpu_blocks_override, cache.enable_prefix_caching) == (4, 2 * 32 // 4 + 1, True)
+    assert not engine_config(chunked, enable_prefix_caching=False).cache_config.enable_prefix_caching
+    assert engine_config(chunked, num_gpu_blocks_override=9).cache_config.num_gpu_blocks_override == 9
     sync = "optimum.neuron.vllm.scheduler.NeuronxScheduler", "optimum.neuron.vllm.scheduler.NeuronxAsyncScheduler"
     sched = config.scheduler_config  # a CPU artifact: vLLM's default (async) is turned off, an explicit choice kept
     assert (sched.async_scheduling, sched.scheduler_cls) == (False, sync[0])
@@ -39,6 +42,7 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
         sched = engine_config(chunked, async_scheduling=asked).scheduler_config
         assert (sched.async_scheduling, sched.scheduler_cls) == (asked, sync[asked]), asked
     config = engine_config(ce)
+    assert not config.cache_config.enable_prefix_caching, "context encoding cannot start past a cached prefix"
     assert not config.scheduler_config.enable_chunked_prefill
     assert config.scheduler_config.max_num_batched_tokens >= 32, "a context-encoding artifact needs whole prompts"
     assert engine_config(chunked, max_model_len=16).model_config.max_model_len == 16
@@ -49,10 +53,12 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
         ({"max_model_len": 64}, ["max_model_len=64", "sequence_length=32", "--sequence_length"]),
         ({"tensor_parallel_size": 2}, ["--tensor-parallel-size 2", "1 tensor-parallel", "--tensor_parallel_size 2"]),
         ({"pipeline_parallel_size": 2}, ["pipeline parallelism", "--pipeline-parallel-size"]),
+        ({"num_gpu_blocks_override": 18}, ["--num-gpu-blocks-override 18", "17 blocks", "--kv_cache_tokens"]),
+        ({"enable_prefix_caching": True, "model": ce}, ["needs a chunked-prefill graph", "--prefill_chunk_size"]),
     ]
     for kwargs, fragments in refusals:
         with pytest.raises(Exception) as info:
-            engine_config(chunked, **kwargs)
+            engine_config(kwargs.pop("model", chunked), **kwargs)
         text = "".join(str(e) for e in _chain(info.value))
         for fragment in fragments:
             assert fragment in text, (kwargs, text)

@@ -1,9 +1,9 @@
 """vLLM's KV cache manager places requests in the artifact's paged cache (each test in a fresh interpreter).
 
-* Prefix caching: a prompt sent again, and a prompt that shares all but its last 25 tokens with an earlier one, are
-  served from the cached blocks: vLLM's ``vllm:prefix_cache_hits`` grows by the cached part, the runner's step records
-  show that only the other tokens were prefilled, and the tokens equal transformers' (in ``vllm.LLM`` and through
-  ``vllm serve`` over HTTP).
+* Prefix caching, through ``vllm serve`` over HTTP: a prompt sent again, and a prompt that shares all but its last 25
+  tokens with an earlier one, are served from the cached blocks: vLLM's ``vllm:prefix_cache_hits`` grows by the
+  cached part, the runner's step records show that only the other tokens were prefilled, and the tokens equal
+  transformers'. (Image-text prompts: `tests/vllm/test_vllm_multimodal.py`.)
 * A pool smaller than the slots need at full length: vLLM preempts (``vllm:num_preemptions``) and recomputes, every
   output still equals transformers', and after 100 aborted requests no block is held, by vLLM
   (``vllm:kv_cache_usage_perc``) or by the engine.
@@ -40,34 +40,6 @@ def greedy(max_tokens: int) -> Any:
 def metric(llm: Any, name: str) -> float:
     """The value of vLLM's metric ``name`` summed over its labels (``LLM.get_metrics``)."""
     return sum(float(m.value) for m in llm.get_metrics() if m.name == name)
-
-
-def fed_since(llm: Any, steps: int) -> list[tuple[str, int, int]]:
-    """``(request, start, count)`` of every prefill the runner ran after its first ``steps`` recorded steps."""
-    return [tuple(p) for r in llm.collective_rpc("step_records")[0][steps:] for p in r["prefills"]]
-
-
-@subprocess_test
-def test_prefix_cache_serves_resent_and_shared_prompts_from_cached_blocks() -> None:
-    import os
-
-    from vllm import LLM
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core and its metrics in this process
-    artifact = export_fixture("llama-2x8x16-eager")
-    shared = prompt(45, 1)
-    first, second = shared + prompt(25, 2), shared + prompt(25, 3)  # the second shares all but its last 25 tokens
-    llm = LLM(model=str(artifact), seed=0, disable_log_stats=False)
-    model = tiny_model("llama")
-    runs = [(first, 0), (first, 17 * BLOCK), (second, 11 * BLOCK)]  # cached: none, all but the last token's block
-    for ids, cached in runs:
-        hits, steps = metric(llm, "vllm:prefix_cache_hits"), len(llm.collective_rpc("step_records")[0])
-        out = llm.generate([{"prompt_token_ids": ids}], greedy(6), use_tqdm=False)[0]
-        assert list(out.outputs[0].token_ids) == hf_greedy(model, ids, 6), f"cached {cached}: not transformers'"
-        assert metric(llm, "vllm:prefix_cache_hits") - hits == cached, f"vLLM's hits for {cached} cached tokens"
-        prefills = fed_since(llm, steps)
-        assert prefills[0][1] == cached, f"the prefill did not start after the cached blocks: {prefills}"
-        assert sum(count for _, _, count in prefills) == len(ids) - cached, f"cached tokens prefilled: {prefills}"
 
 
 @subprocess_test

@@ -34,14 +34,17 @@ Encode = Callable[[torch.Tensor], torch.Tensor]
 class ImageInput:
     """One image of a prompt."""
 
-    pixels: torch.Tensor
-    """Its tiles, ``[t, 3, S, S]``, in the order of their placeholders."""
+    pixels: torch.Tensor | None
+    """Its tiles, ``[t, 3, S, S]``, in the order of their placeholders; None when its rows are already in the
+    sequence's KV blocks (a prefix-cache hit covers every one of its positions: vLLM then sends no pixels)."""
     positions: tuple[int, ...]
     """The prompt positions its rows go to, increasing: ``t * rows_per_tile`` of them."""
 
     @functools.cached_property
     def digest(self) -> str:
         """SHA-256 of its pixels (dtype, shape and bytes): what tells two images apart in a prefix-cache key."""
+        if self.pixels is None:
+            raise InputError("an image without pixels has no digest: pass its pixels to place it in the prefix cache.")
         pixels = self.pixels.detach().cpu().contiguous()
         header = f"{pixels.dtype}{tuple(pixels.shape)}".encode()
         return hashlib.sha256(header + pixels.view(torch.uint8).numpy().tobytes()).hexdigest()
@@ -81,16 +84,10 @@ def check_images(prompt: Sequence[int], images: Sequence[ImageInput], limits: Im
             f"the prompt has {len(images)} images but this artifact serves at most max_images={limits.max_images} per "
             f"prompt: send fewer images, or re-export with --max_images {len(images)}."
         )
-    size, taken = limits.tile_size, list[int]()
+    taken = list[int]()
     for i, image in enumerate(images):
-        shape = tuple(image.pixels.shape)
-        if len(shape) != 4 or shape[0] < 1 or shape[1:] != (3, size, size):
-            raise InputError(f"image {i} has pixels of shape {shape}; this artifact takes [tiles, 3, {size}, {size}].")
-        if len(image.positions) != shape[0] * limits.rows_per_tile:
-            raise InputError(
-                f"image {i} has {shape[0]} tiles ({shape[0] * limits.rows_per_tile} rows) but "
-                f"{len(image.positions)} placeholder positions: expand the prompt with the model's processor."
-            )
+        if image.pixels is not None:  # an image without pixels: its rows are cached (`ImageInput.pixels`)
+            _check_tiles(i, image, limits)
         taken.extend(image.positions)
     off_token = any(not 0 <= p < len(prompt) or prompt[p] != limits.image_token_id for p in taken)
     if taken != sorted(set(taken)) or off_token:
@@ -100,6 +97,19 @@ def check_images(prompt: Sequence[int], images: Sequence[ImageInput], limits: Im
         )
     if sum(token == limits.image_token_id for token in prompt) != len(taken):
         raise InputError("the prompt holds image tokens that no image fills: pass every image of the prompt.")
+
+
+def _check_tiles(index: int, image: ImageInput, limits: ImageLimits) -> None:
+    """`InputError` unless image ``index`` is whole tiles of the artifact's size, one position per row."""
+    assert image.pixels is not None
+    shape, size = tuple(image.pixels.shape), limits.tile_size
+    if len(shape) != 4 or shape[0] < 1 or shape[1:] != (3, size, size):
+        raise InputError(f"image {index} has pixels of shape {shape}; this artifact takes [tiles, 3, {size}, {size}].")
+    if len(image.positions) != shape[0] * limits.rows_per_tile:
+        raise InputError(
+            f"image {index} has {shape[0]} tiles ({shape[0] * limits.rows_per_tile} rows) but "
+            f"{len(image.positions)} placeholder positions: expand the prompt with the model's processor."
+        )
 
 
 @dataclass
@@ -124,7 +134,13 @@ class SequenceImages:
             return None
         encoded = [index for index, _, _ in hits if index not in self.cache]
         for index in encoded:
-            self.cache[index] = encode(self.images[index].pixels)
+            pixels = self.images[index].pixels
+            if pixels is None:
+                raise InputError(
+                    f"image {index} came without pixels (its rows were cached), but the chunk at positions {start}.."
+                    f"{start + count - 1} needs them: send the image's pixels."
+                )
+            self.cache[index] = encode(pixels)
         first = self.cache[hits[0][0]]
         rows = first.new_zeros(count, first.shape[-1])
         mask = torch.zeros(count, dtype=torch.bool)
@@ -145,6 +161,10 @@ class SequenceImages:
             if bisect.bisect_left(image.positions, start) < bisect.bisect_left(image.positions, end)
         )
         return found or None
+
+    def unsent_before(self, computed: int) -> bool:
+        """True when every image without pixels lies before position ``computed`` (its rows are in the cache)."""
+        return all(image.positions[-1] < computed for image in self.images if image.pixels is None)
 
     def drop(self) -> None:
         """Forget every cached row (the sequence ends, or is preempted and will be recomputed)."""

@@ -97,6 +97,11 @@ class CallerPlacement:
                 f"{len(blocks)} blocks of {self.block_size}: at least one token must be left to compute, and the "
                 "computed ones must lie in the given blocks."
             )
+        if sequence.images is not None and not sequence.images.unsent_before(computed):
+            raise InputError(
+                f"sequence {sequence.seq_id!r} has an image without pixels at or past position {computed}, the first "
+                "one it computes: only images inside the cached prefix may come without pixels."
+            )
         if computed and sequence.scorer is not None:
             raise InputError(
                 f"sequence {sequence.seq_id!r} asks its prompt logprobs, which need every prompt row computed: admit "

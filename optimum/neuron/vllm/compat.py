@@ -31,8 +31,9 @@ class ImageItem:
     """One image of a request (a ``MultiModalFeatureSpec`` of modality ``image``), as vLLM's multimodal processor made
     it from the model's transformers processor."""
 
-    pixels: torch.Tensor
-    """Its tiles, ``[t, 3, S, S]``."""
+    pixels: torch.Tensor | None
+    """Its tiles, ``[t, 3, S, S]``; None when vLLM dropped its data (``strip_covered_mm_data``: every position of it
+    lies in the request's prefix-cache hit, so no encoder call can need it)."""
     pixel_mask: torch.Tensor | None
     """``[t, S, S]``: which pixels of each tile are the image's."""
     positions: tuple[int, ...]
@@ -127,21 +128,24 @@ def read_images(new_request: Any) -> tuple[ImageItem, ...]:
     item's ``MultiModalKwargsItem``, positions from its ``PlaceholderRange``)."""
     images = []
     for feature in getattr(new_request, "mm_features", None) or ():
-        if feature.modality != "image" or feature.data is None:
+        if feature.modality != "image":
             raise InputError(
-                f"request {new_request.req_id}: a {feature.modality} input without data reached the model runner; "
-                "only images are served, with vLLM's multimodal processor cache off (the platform sets it)."
+                f"request {new_request.req_id}: a {feature.modality} input reached the model runner; "
+                "only images are served."
             )
         images.append(_image_item(feature.data, feature.mm_position))
     return tuple(images)
 
 
 def _image_item(data: Any, place: Any) -> ImageItem:
-    """An `ImageItem` from one ``MultiModalKwargsItem`` and its ``PlaceholderRange``."""
-    fields = data.get_data()
+    """An `ImageItem` from one ``MultiModalKwargsItem`` (None: its data dropped, the image cached) and its
+    ``PlaceholderRange``."""
     offsets = range(place.length) if place.is_embed is None else place.is_embed.nonzero().flatten().tolist()
-    mask = fields.get("pixel_attention_mask")
-    return ImageItem(fields["pixel_values"], mask, tuple(place.offset + int(o) for o in offsets))
+    positions = tuple(place.offset + int(o) for o in offsets)
+    if data is None:
+        return ImageItem(None, None, positions)
+    fields = data.get_data()
+    return ImageItem(fields["pixel_values"], fields.get("pixel_attention_mask"), positions)
 
 
 def read_prompt(processed_inputs: Any) -> tuple[list[int], tuple[ImageItem, ...]]:

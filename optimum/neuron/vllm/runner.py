@@ -34,11 +34,13 @@ logger = compat.logger(__name__)
 
 @dataclass
 class StepRecord:
-    """What one step ran, for logs and tests: decoded request ids and ``(req_id, start, count)`` prefills."""
+    """What one step ran, for logs and tests: decoded request ids, ``(req_id, start, count)`` prefills and the
+    ``(req_id, image index)`` of every image encoded."""
 
     index: int
     decodes: list[str] = field(default_factory=list)
     prefills: list[tuple[str, int, int]] = field(default_factory=list)
+    encoded: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -145,7 +147,8 @@ class Runner:
         if result.decodes or result.prefills:
             decodes = [str(r) for r in result.decodes]
             prefills = [(str(r), start, count) for r, start, count in result.prefills]
-            self.records.append(StepRecord(self._steps, decodes, prefills))
+            encoded = [(str(r), index) for r, index in result.encoded]
+            self.records.append(StepRecord(self._steps, decodes, prefills, encoded))
         self._steps += 1
 
 

@@ -45,8 +45,9 @@ def check_request(prompt: Sequence[int], images: Sequence[ImageItem], params: An
 
 
 def to_images(items: Sequence[ImageItem]) -> list[ImageInput]:
-    """The engine's `ImageInput` of each image vLLM's processor made (padding tiles dropped: `real_tiles`)."""
-    return [ImageInput(real_tiles(i.pixels, i.pixel_mask), i.positions) for i in items]
+    """The engine's `ImageInput` of each image vLLM's processor made (padding tiles dropped: `real_tiles`; no pixels
+    for an image vLLM sends without them, its rows cached)."""
+    return [ImageInput(None if i.pixels is None else real_tiles(i.pixels, i.pixel_mask), i.positions) for i in items]
 
 
 def to_sampling_params(params: Any) -> SamplingParams:

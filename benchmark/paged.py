@@ -1,0 +1,213 @@
+"""Paged KV cache benchmark: what paging costs a decode step, what prefix caching buys a chat workload, what a pool
+smaller than the slots lets a larger batch serve (SmolLM2-135M-Instruct, fp32, inductor).
+
+    .venv/bin/python -m benchmark.paged [--quick] [--parts price prefix fit] [--baseline COMMIT] [--machine NAME]
+
+* ``price``: decode ms/step at batch 8, contexts 64 and 2000 (S 2048, C 256), this checkout's paged cache against
+  the slot layout of ``--baseline`` (a commit before paging, checked out in a git worktree under the cache and run
+  with its own cache folder), each point in a fresh process, interleaved rounds; and the share of the step the block
+  gather takes (`read_blocks`, 30 layers x K and V, timed alone on the step's shapes).
+* ``prefix``: ``vllm serve`` of the S 2048 artifact with prefix caching on and off (``--no-enable-prefix-caching``),
+  driven by ``vllm bench serve --dataset-name prefix_repetition`` (a few 1,024-token prefixes, each request one of
+  them + a 64-token suffix, 32 new tokens; 4 users): TTFT p50 / p90 and output tok/s.
+* ``fit``: 32 concurrent short chats (random 100 -> 100 tokens) on a batch-32 artifact (S 4096) whose pool is 8 x
+  4096 tokens, against the batch-8 artifact of the same pool (vLLM admits by blocks): output tok/s.
+
+Run it on a quiet machine: the 1-minute load is recorded with each part. Results:
+``benchmark/results/<machine>/paged.md`` and ``paged.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE = "21479ae"
+"""The last commit of main before the paged cache (slot layout: one row of S + 1 positions per slot)."""
+SEQUENCE_LENGTH, CHUNK, BATCH = 2048, 256, 8
+CONTEXTS = (64, 2000)
+
+
+def _env(cache: Path | None = None) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if cache is not None:
+        env |= {"OPTIMUM_NEURON_CACHE": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    return env
+
+
+def run_worker(spec: dict[str, Any], cwd: Path = ROOT, cache: Path | None = None) -> dict[str, Any]:
+    """One measurement in a fresh interpreter of the checkout ``cwd`` (its `benchmark.kv_buckets` worker: export or
+    decode, which both checkouts have)."""
+    cmd = [sys.executable, "-m", "benchmark.kv_buckets", "--worker", json.dumps(spec)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=_env(cache))
+    if done.returncode != 0:
+        raise RuntimeError(f"{spec} in {cwd} failed:\n{done.stderr[-3000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def baseline_checkout(commit: str, cache: Path) -> Path:
+    """A git worktree of ``commit`` under ``cache`` (made once)."""
+    tree = cache / f"baseline-{commit}"
+    if not (tree / "optimum").is_dir():
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], cwd=ROOT, check=True)
+    return tree
+
+
+def gather_ms(window: int, block: int, steps: int = 20) -> float:
+    """Milliseconds one decode step spends gathering its KV window: `read_blocks` for K and V of 30 layers, batch 8,
+    SmolLM2's 3 KV heads of 64, the blocks spread over the pool."""
+    import torch
+
+    from optimum.neuron.models.layers.kv_cache import read_blocks
+
+    blocks = BATCH * SEQUENCE_LENGTH // block + 1
+    cache = [torch.randn(blocks * block, 3, 64) for _ in range(60)]
+    table = torch.randperm(blocks - 1)[: BATCH * (window // block)].reshape(BATCH, -1) + 1
+    for tensor in cache[:2]:
+        read_blocks(tensor, table, block)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        for tensor in cache:
+            read_blocks(tensor, table, block)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def price(model_dir: str, baseline: Path, cache: Path, rounds: int, steps: int) -> dict[str, Any]:
+    """Decode ms/step of the paged artifact and the baseline's slot artifact, interleaved rounds."""
+    from optimum.neuron.config import NeuronConfig
+
+    artifacts = {"paged": cache / "paged-price", "slot": cache / "slot-price"}
+    checkouts = {"paged": (ROOT, None), "slot": (baseline, cache / "baseline-cache")}
+    for name, (cwd, own_cache) in checkouts.items():
+        if not (artifacts[name] / "neuron_config.json").is_file():
+            spec = {"task": "export", "model_dir": model_dir, "buckets": "auto", "batch": BATCH}
+            run_worker({**spec, "out": str(artifacts[name])}, cwd, own_cache)
+    runs: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for context in CONTEXTS:
+            for name, (cwd, own_cache) in checkouts.items():
+                spec = {"task": "ours", "artifact": str(artifacts[name]), "batch": BATCH, "context": context}
+                result = run_worker({**spec, "steps": steps}, cwd, own_cache)
+                runs.setdefault(f"{name}@{context}", []).append(result["median_ms"])
+    block = NeuronConfig(batch_size=BATCH, sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=CHUNK).block_size
+    gathers = {context: gather_ms(256 if context < 256 else SEQUENCE_LENGTH, block) for context in CONTEXTS}
+    return {"runs": runs, "block_size": block, "gather_ms": gathers, "load": os.getloadavg()[0]}
+
+
+def export_artifact(model_dir: str, out: Path, **fields: Any) -> Path:
+    """Export SmolLM2 with ``fields`` (inductor, the export cache reused)."""
+    from optimum.exporters.neuron.export import export
+    from optimum.neuron.config import NeuronConfig
+
+    if not (out / "neuron_config.json").is_file():
+        export(model_dir, out, NeuronConfig(**fields))
+    return out
+
+
+def bench(artifact: Path, model_dir: str, flags: list[str], load: list[str], prompts: int) -> dict[str, Any]:
+    """``vllm serve artifact *flags`` on 127.0.0.1 driven by ``vllm bench serve *load``; its result (summary)."""
+    from benchmark.serving.server import SERVED_NAME, serving, vllm_cli
+
+    with tempfile.TemporaryDirectory() as folder:
+        log, result = Path(folder) / "serve.log", Path(folder) / "result.json"
+        with serving(artifact, log, "--served-model-name", SERVED_NAME, "--seed", "0", *flags) as server:
+            cmd = [
+                vllm_cli(), "bench", "serve", "--backend", "vllm", "--host", "127.0.0.1", "--port", str(server.port),
+                "--model", SERVED_NAME, "--tokenizer", model_dir, "--seed", "0", "--num-prompts", str(prompts),
+                "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+                "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", folder,
+                "--result-filename", result.name, "--disable-tqdm", *load,
+            ]  # fmt: skip
+            done = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+            if done.returncode != 0 or not result.is_file():
+                raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        data = json.loads(result.read_text())
+    if data.get("completed") != prompts:
+        raise RuntimeError(f"{data.get('completed')} of {prompts} requests completed")
+    keys = ("output_throughput", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "median_itl_ms", "duration")
+    return {key: data[key] for key in keys} | {"load": os.getloadavg()[0]}
+
+
+def prefix(model_dir: str, cache: Path, rounds: int, quick: bool) -> dict[str, Any]:
+    """Shared-prefix chat traffic with prefix caching on and off, interleaved rounds."""
+    artifact = export_artifact(
+        model_dir, cache / "paged-serve", batch_size=BATCH, sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=CHUNK
+    )
+    prompts = 16 if quick else 32
+    load = [
+        "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
+        "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "2",
+        "--prefix-repetition-output-len", "32", "--max-concurrency", "4",
+    ]  # fmt: skip
+    runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    for _ in range(rounds):
+        for mode, flags in (("on", []), ("off", ["--no-enable-prefix-caching"])):
+            runs[mode].append(bench(artifact, model_dir, flags, load, prompts))
+    return runs
+
+
+def fit(model_dir: str, cache: Path, rounds: int, quick: bool) -> dict[str, Any]:
+    """32 concurrent short chats: a batch-32 artifact whose pool is 8 x 4096 tokens vs the batch-8 one."""
+    shape = {"sequence_length": 4096, "prefill_chunk_size": CHUNK, "kv_cache_tokens": 8 * 4096}
+    artifacts = {
+        "batch 32, pool 8 x 4096": export_artifact(model_dir, cache / "paged-fit-b32", batch_size=32, **shape),
+        "batch 8, pool 8 x 4096": export_artifact(model_dir, cache / "paged-fit-b8", batch_size=8, **shape),
+    }
+    prompts = 32 if quick else 64
+    load = ["--dataset-name", "random", "--random-input-len", "100", "--random-output-len", "100"]
+    load += ["--max-concurrency", "32"]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in artifacts}
+    for _ in range(rounds):
+        for name, artifact in artifacts.items():
+            runs[name].append(bench(artifact, model_dir, [], load, prompts))
+    return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one round, fewer steps and requests")
+    parser.add_argument("--parts", nargs="+", default=["price", "prefix", "fit"], choices=["price", "prefix", "fit"])
+    parser.add_argument("--baseline", default=BASELINE, help="the commit whose slot layout `price` compares with")
+    parser.add_argument("--machine", default="epyc-2core", help="results subfolder name")
+    args = parser.parse_args(argv)
+    from rich.progress import Progress
+
+    from benchmark.machine import describe
+    from benchmark.paged_report import write_report
+    from optimum.neuron.cache_dir import cache_root
+    from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
+
+    model_dir = str(convert_smollm2(default_smollm2_dir("fp32"), dtype="fp32"))
+    cache = cache_root() / "bench"
+    cache.mkdir(parents=True, exist_ok=True)
+    rounds = 1 if args.quick else 2
+    results: dict[str, Any] = {"machine": describe(), "rounds": rounds, "baseline": args.baseline}
+    with Progress() as progress:
+        task = progress.add_task("paged KV benchmark", total=len(args.parts))
+        for part in args.parts:
+            progress.update(task, description=f"paged KV benchmark: {part}")
+            if part == "price":
+                baseline = baseline_checkout(args.baseline, cache)
+                results["price"] = price(model_dir, baseline, cache, rounds, 8 if args.quick else 16)
+            elif part == "prefix":
+                results["prefix"] = prefix(model_dir, cache, rounds, args.quick)
+            else:
+                results["fit"] = fit(model_dir, cache, rounds, args.quick)
+            progress.advance(task)
+    write_report(RESULTS / args.machine, results)
+
+
+if __name__ == "__main__":
+    main()

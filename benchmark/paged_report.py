@@ -1,0 +1,99 @@
+"""The report of `benchmark.paged`: ``paged.md`` (tables and ratios) and ``paged.json`` (every run)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _runs(values: list[float]) -> str:
+    return " / ".join(f"{v:.1f}" for v in values)
+
+
+def price_lines(price: dict[str, Any], baseline: str) -> list[str]:
+    """The price of paging: decode ms/step, paged vs slot layout, and the gather's share."""
+    lines = [
+        "## The price of paging: decode ms/step, batch 8",
+        "",
+        f"SmolLM2 fp32, S 2048, C 256, `--kv_buckets auto`, blocks of {price['block_size']} positions; every row at "
+        "the given context, median of the decode steps of each fresh process (one value per round). The slot layout "
+        f"is commit {baseline}, the last before paging. The gather is `read_blocks` for K and V of the 30 layers on "
+        "the step's shapes (window 256 at context 64, 2048 at context 2000), timed alone.",
+        "",
+        "| context | paged ms/step | slot layout ms/step | paged / slot | gather ms (share of the paged step) |",
+        "|---|---|---|---|---|",
+    ]
+    for context, gather in price["gather_ms"].items():
+        paged, slot = price["runs"][f"paged@{context}"], price["runs"][f"slot@{context}"]
+        ratio = _median(paged) / _median(slot)
+        share = gather / _median(paged)
+        lines.append(
+            f"| {context} | {_runs(paged)} | {_runs(slot)} | **{ratio:.2f}x** | {gather:.1f} ({100 * share:.0f} %) |"
+        )
+    return [*lines, "", f"1-minute load at the end of the part: {price['load']:.2f}.", ""]
+
+
+def serve_lines(title: str, intro: str, runs: dict[str, list[dict[str, Any]]], base: str) -> list[str]:
+    """One serving comparison: TTFT and throughput per mode, and each mode's ratio to ``base``."""
+    lines = [
+        f"## {title}",
+        "",
+        intro,
+        "",
+        "| | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | output tok/s | TTFT p50 / base | tok/s / base |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    reference = runs[base]
+    for mode, results in runs.items():
+        ttft = _median([r["median_ttft_ms"] for r in results])
+        tokens = _median([r["output_throughput"] for r in results])
+        base_ttft = _median([r["median_ttft_ms"] for r in reference])
+        base_tokens = _median([r["output_throughput"] for r in reference])
+        lines.append(
+            f"| {mode} | {_runs([r['median_ttft_ms'] for r in results])} | {_runs([r['p90_ttft_ms'] for r in results])}"
+            f" | {_runs([r['median_tpot_ms'] for r in results])} | {_runs([r['output_throughput'] for r in results])}"
+            f" | **{ttft / base_ttft:.2f}x** | **{tokens / base_tokens:.2f}x** |"
+        )
+    loads = [r["load"] for results in runs.values() for r in results]
+    return [*lines, "", f"1-minute load after each run: {_runs(loads)}.", ""]
+
+
+def write_report(folder: Path, results: dict[str, Any]) -> None:
+    """``paged.md`` and ``paged.json`` under ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "paged.json").write_text(json.dumps(results, indent=1))
+    machine = ", ".join(f"{k} {v}" for k, v in results["machine"].items())
+    lines = [
+        "# Paged KV cache: SmolLM2-135M-Instruct, fp32, inductor",
+        "",
+        f"Command: `.venv/bin/python -m benchmark.paged` ({results['rounds']} interleaved rounds; each value below is "
+        "one round).",
+        "",
+        f"Machine: {machine}.",
+        "",
+    ]
+    if "price" in results:
+        lines += price_lines(results["price"], results["baseline"])
+    if "prefix" in results:
+        intro = (
+            "`vllm serve` of the S 2048, C 256, batch 8 artifact; `vllm bench serve --dataset-name prefix_repetition`: "
+            "2 prefixes of 1,024 tokens, each request one of them + 64 tokens of its own, 32 new tokens, 4 users. "
+            "Prefix caching on (vLLM's default) vs `--no-enable-prefix-caching`."
+        )
+        lines += serve_lines("Shared prefixes: prefix caching on vs off", intro, results["prefix"], "off")
+    if "fit" in results:
+        intro = (
+            "32 users of short chats (random prompts of 100 tokens, 100 new tokens), S 4096, C 256: a batch-32 "
+            "artifact whose pool holds 8 x 4096 positions (`--kv_cache_tokens 32768`: a quarter of 32 x 4096) "
+            "against the batch-8 artifact with the same pool. vLLM admits by blocks."
+        )
+        lines += serve_lines(
+            "Memory fit: batch 32 in the memory of batch 8", intro, results["fit"], "batch 8, pool 8 x 4096"
+        )
+    (folder / "paged.md").write_text("\n".join(lines))
