@@ -71,15 +71,15 @@ def gather_ms(window: int, block: int, steps: int = 20) -> float:
     from optimum.neuron.models.layers.kv_cache import read_blocks
 
     blocks = BATCH * SEQUENCE_LENGTH // block + 1
-    cache = [torch.randn(blocks * block, 3, 64) for _ in range(60)]
+    cache = [torch.randn(blocks, 3, block, 64) for _ in range(60)]
     table = torch.randperm(blocks - 1)[: BATCH * (window // block)].reshape(BATCH, -1) + 1
     for tensor in cache[:2]:
-        read_blocks(tensor, table, block)
+        read_blocks(tensor, table)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         for tensor in cache:
-            read_blocks(tensor, table, block)
+            read_blocks(tensor, table)
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 

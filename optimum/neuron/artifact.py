@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from .config import CONFIG_FILE, NeuronConfig, load_config_file
 from .errors import ArtifactError, IncompatibleConfigError
 from .graphs import graph_specs
+from .kernels import library as kernel_library
 from .kernels import packed as packed_kernel
 from .models.base import StaticDecoder
 from .models.layers.attention import attention_dims
@@ -211,11 +212,13 @@ def empty_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
 
 def graph_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
     """`empty_decoder` as the graphs compute it: its decoder layers' linear layers quantized when
-    ``config.weight_format`` says so, the other linear layers packed when ``config.packed_linears``."""
+    ``config.weight_format`` says so, the other linear layers packed when ``config.packed_linears``, token generation
+    attending with the paged CPU kernel when ``config.paged_attention``."""
     decoder = empty_decoder(hf_config, config)
     quantize_decoder(decoder, config)
     if config.packed_linears:
         pack_decoder(decoder)
+    decoder.paged_attention = config.paged_attention
     return decoder
 
 
@@ -248,6 +251,8 @@ def graph_weights(
     packed when ``config.packed_linears`` (the packed kernel is loaded then). Still one set: each packed tensor
     replaces its stored one, nothing is kept twice."""
     weights = graph_form(weights, config, lambda full: rank_weights(hf_config, config, full, rank))
+    if config.paged_attention:
+        kernel_library.load()  # the graphs call the paged attention kernel
     if not config.packed_linears:
         return weights
     _check_packed_device(weights)
@@ -275,14 +280,12 @@ def assemble(hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tens
 
 
 def allocate_cache(hf_config: Any, config: NeuronConfig, device: str | torch.device) -> list[torch.Tensor]:
-    """The one KV cache of an artifact: K and V per layer, ``[kv_blocks * block_size, kv_heads, head_dim]`` (the pool
+    """The one KV cache of an artifact: K and V per layer, ``[kv_blocks, kv_heads, block_size, head_dim]`` (the pool
     and the scratch block; of the language decoder, for an image-text model; a tensor-parallel rank's: its KV heads
     only)."""
     hf_config = language_config(hf_config)
     if config.tp_degree > 1:
         hf_config = rank_config(hf_config, config.tp_degree)
     dims = attention_dims(hf_config)
-    slots = config.kv_blocks * config.block_size
-    return allocate_kv_cache(
-        hf_config.num_hidden_layers, slots, dims.kv_heads, dims.head_dim, config.torch_dtype, device
-    )
+    layers, block = hf_config.num_hidden_layers, config.block_size
+    return allocate_kv_cache(layers, config.kv_blocks, dims.kv_heads, block, dims.head_dim, config.torch_dtype, device)

@@ -27,6 +27,7 @@ AUTO_FIRST_WINDOW = 256
 AUTO_BLOCK_SIZES = (32, 16, 8, 4, 2, 1)
 """``kv_block_size=0`` picks the largest of these that divides the sequence length and every KV window."""
 LINEAR_KERNELS = ("auto", "packed", "aten")
+ATTENTION_KERNELS = ("auto", "paged", "sdpa")
 WEIGHT_FORMATS = ("float", "int8", "int4")
 CHOICES: dict[str, tuple[str, ...]] = {
     "auto_cast_type": tuple(DTYPES),
@@ -34,6 +35,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "backend": BACKENDS,
     "device": DEVICES,
     "linear_kernel": LINEAR_KERNELS,
+    "attention_kernel": ATTENTION_KERNELS,
 }
 """The allowed values of the fields that take a name (the CLI offers exactly these)."""
 FLAG_NAMES = {"tp_degree": "tensor_parallel_size"}
@@ -112,6 +114,11 @@ class NeuronConfig:
     does; fp32, eager and inductor backends on the CPU); ``aten``, torch's default linear on the checkpoint's layout
     (for comparison, and every other dtype, backend and device); ``auto``, ``packed`` where it applies, else ``aten``.
     The artifact stores the checkpoint's layout either way (docs/architecture.md, "Linear layers on the CPU")."""
+    attention_kernel: str = "auto"
+    """How the token-generation graph attends over the paged KV cache: ``paged``, the toolkit's CPU kernel, which reads
+    each row's window blocks where they lie (fp32, eager and inductor backends on the CPU); ``sdpa``, a gather of the
+    window's blocks then torch's ``scaled_dot_product_attention`` (for comparison, and every other dtype, backend and
+    device; prefill graphs always use it); ``auto``, ``paged`` where it applies, else ``sdpa``."""
     weight_format: str = "float"
     """Weights of the decoder layers' linear projections: ``float`` (``auto_cast_type``), ``int8`` (per output channel,
     symmetric) or ``int4`` (per group of ``weight_group_size`` input columns, symmetric), quantized at export and stored
@@ -139,6 +146,7 @@ class NeuronConfig:
             _check_chunk,
             _check_dtype_and_backend,
             _check_linear_kernel,
+            _check_attention_kernel,
             _check_weight_format,
             _check_sampling,
             _check_buckets,
@@ -187,6 +195,13 @@ class NeuronConfig:
         """Blocks of the KV cache: the pool's, plus block 0, the scratch block that takes every write of a token that
         is not real and that no sequence owns (vLLM's null block)."""
         return self.cache_tokens // self.block_size + 1
+
+    @property
+    def paged_attention(self) -> bool:
+        """True when the token-generation graph attends with the paged CPU kernel (`attention_kernel` resolved)."""
+        if self.attention_kernel == "auto":
+            return _packed_kernel_applies(self)
+        return self.attention_kernel == "paged"
 
     @property
     def packed_linears(self) -> bool:
@@ -352,7 +367,8 @@ def _check_dtype_and_backend(config: NeuronConfig) -> None:
 
 
 def _packed_kernel_applies(config: NeuronConfig) -> bool:
-    """Where the packed CPU kernel runs: fp32 graphs on the CPU, eager or inductor backend."""
+    """Where the toolkit's CPU kernels run (packed linears, paged attention): fp32 graphs on the CPU, eager or
+    inductor backend."""
     return config.device == "cpu" and config.backend in ("eager", "inductor") and config.auto_cast_type == "fp32"
 
 
@@ -362,6 +378,15 @@ def _check_linear_kernel(config: NeuronConfig) -> None:
             f"linear_kernel='packed' runs fp32 graphs on the CPU with the eager or inductor backend, not "
             f"{config.auto_cast_type} on {config.device} with {config.backend}: pass {flag('linear_kernel')} auto (or "
             "aten), or export fp32 for the CPU."
+        )
+
+
+def _check_attention_kernel(config: NeuronConfig) -> None:
+    if config.attention_kernel == "paged" and not _packed_kernel_applies(config):
+        raise IncompatibleConfigError(
+            f"attention_kernel='paged' runs fp32 graphs on the CPU with the eager or inductor backend, not "
+            f"{config.auto_cast_type} on {config.device} with {config.backend}: pass {flag('attention_kernel')} auto "
+            "(or sdpa), or export fp32 for the CPU."
         )
 
 

@@ -13,6 +13,7 @@ import torch
 
 from optimum.neuron import NeuronModelForCausalLM
 from optimum.neuron.artifact import Artifact
+from optimum.neuron.models.layers.kv_cache import slot_rows
 from optimum.neuron.runtime.engine import Engine
 from optimum.neuron.runtime.generate import generate_tokens
 from optimum.neuron.runtime.padding import slots_of
@@ -127,6 +128,12 @@ def decode(engine: Engine, seq_ids: list[Hashable], steps: int) -> None:
         engine.step(dict.fromkeys(seq_ids, 1))
 
 
+def by_slot(cache: torch.Tensor) -> torch.Tensor:
+    """A host copy of one K or V tensor of the paged cache as ``[slots, H, D]``, row ``s`` being slot ``s``."""
+    blocks, heads, block_size, dim = cache.shape
+    return cache.cpu().transpose(1, 2).reshape(blocks * block_size, heads, dim).clone()
+
+
 def sequence_slots(engine: Engine, seq_id: Hashable, first: int, last: int) -> torch.Tensor:
     """The cache rows of positions ``[first, last)`` of sequence ``seq_id`` (through its blocks)."""
     blocks = engine.sequence(seq_id).blocks
@@ -134,9 +141,9 @@ def sequence_slots(engine: Engine, seq_id: Hashable, first: int, last: int) -> t
 
 
 def sequence_rows(engine: Engine, seq_id: Hashable, last: int) -> list[torch.Tensor]:
-    """Host copies of positions ``[0, last)`` of sequence ``seq_id`` in every K and V tensor."""
+    """Host copies of positions ``[0, last)`` of sequence ``seq_id`` in every K and V tensor, ``[last, H, D]``."""
     slots = sequence_slots(engine, seq_id, 0, last)
-    return [t.cpu()[slots].clone() for t in engine.kv_cache]
+    return [slot_rows(t.cpu(), slots).clone() for t in engine.kv_cache]
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

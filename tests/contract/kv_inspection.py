@@ -25,7 +25,7 @@ import torch
 from optimum.neuron.artifact import Artifact
 from optimum.neuron.models.layers.kv_cache import SCRATCH_BLOCK
 from optimum.neuron.runtime.engine import Engine
-from tests.contract.engine_tools import GREEDY, sequence_slots
+from tests.contract.engine_tools import GREEDY, by_slot, sequence_slots
 from tests.models.exports import CHUNK, dtype_fixture
 
 FAMILY = "llama"
@@ -55,14 +55,14 @@ class Setup:
         self.engine.release("chunks")
         assert self.engine.admit("chunks", self.first + tokens, GREEDY, reuse=False).slot == SLOT
         self.engine.step({"chunks": CHUNK})
-        return [t.cpu().clone() for t in self.engine.kv_cache]
+        return [by_slot(t) for t in self.engine.kv_cache]
 
     def shipped(self, tokens: list[int], seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Host copies of the cache before and after the shipped graph prefills ``tokens`` at ``START``, and the
-        cache rows of the sequence's positions."""
+        """Host copies of the cache (`by_slot`) before and after the shipped graph prefills ``tokens`` at
+        ``START``."""
         before = self.start(tokens, seed)
         self.engine.step({"chunks": len(tokens)})
-        return before, [t.cpu().clone() for t in self.engine.kv_cache]
+        return before, [by_slot(t) for t in self.engine.kv_cache]
 
     def slots(self, first: int, last: int) -> torch.Tensor:
         """The cache rows of positions ``[first, last)`` of the sequence."""

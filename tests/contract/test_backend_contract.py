@@ -43,6 +43,7 @@ from tests.contract.engine_tools import (
     GREEDY,
     Recorder,
     alone,
+    by_slot,
     call_window,
     decode,
     engine_for,
@@ -156,10 +157,10 @@ def test_one_kv_cache_updated_in_place(backend: str) -> None:
     pointers = [t.data_ptr() for t in cache] if backend != "xla" else []  # XLA tensors have no host storage
     assert all(torch.count_nonzero(t.cpu()) == 0 for t in cache)
     length, steps = 2 * CHUNK + 3, 3
-    scratch = slice(SCRATCH_BLOCK * block, (SCRATCH_BLOCK + 1) * block)
-    noise = torch.randn(cache[0][scratch].shape).to(cache[0].dtype)
+    scratch = slice(SCRATCH_BLOCK * block, (SCRATCH_BLOCK + 1) * block)  # its slots
+    noise = torch.randn(cache[0][SCRATCH_BLOCK].shape).to(cache[0].dtype)
     for tensor in cache:  # marks the scratch block, to see the idle row of the token-generation graph write there
-        tensor[scratch] = noise.to(tensor.device)
+        tensor[SCRATCH_BLOCK] = noise.to(tensor.device)
     engine.admit("hold", [3], GREEDY)  # slot 0, released before any graph runs: slot 0 is free below
     assert engine.admit("seq", prompt(length, 0), GREEDY).slot == 1
     engine.release("hold")
@@ -171,13 +172,13 @@ def test_one_kv_cache_updated_in_place(backend: str) -> None:
     written = length + steps  # the prompt and the fed tokens
     live = sequence_slots(engine, "seq", 0, written)
     for tensor in cache:
-        assert tuple(tensor.shape[:1]) == (engine.config.kv_blocks * block,), "the cache holds the pool's blocks"
-        nonzero_rows = tensor.cpu().abs().sum(dim=(1, 2)) != 0  # [slots]
+        assert tensor.shape[0] == engine.config.kv_blocks and tensor.shape[2] == block, "the pool's blocks"
+        nonzero_rows = by_slot(tensor).abs().sum(dim=(1, 2)) != 0  # [slots]
         assert nonzero_rows[live].all(), "a prompt or decode row of the sequence was not written in place"
         nonzero_rows[live] = False
         nonzero_rows[scratch] = False
         assert not nonzero_rows.any(), "a row outside the sequence's positions and the scratch block was written"
-        assert not torch.equal(tensor[scratch].cpu(), noise), "the idle row and padded columns missed the scratch block"
+        assert not torch.equal(tensor[SCRATCH_BLOCK].cpu(), noise), "the idle row missed the scratch block"
     shapes = private_tensor_shapes(engine)
     kv_shape = tuple(cache[0].shape)
     assert shapes and kv_shape not in shapes, f"a graph holds a tensor shaped like the KV cache {kv_shape}"
@@ -192,7 +193,7 @@ def test_scattered_blocks_generate_transformers_tokens(backend: str) -> None:
     blocks = [13, 2, 9, 5, 16, 7, 11, 3]  # positions 0..31; the pool has blocks 1..16
     for tensor in engine.kv_cache:
         tensor.copy_(torch.randn(tensor.shape, dtype=tensor.dtype).to(tensor.device))
-    before = [t.cpu().clone() for t in engine.kv_cache]
+    before = [by_slot(t) for t in engine.kv_cache]
     sequence = engine.admit("scattered", ids, GREEDY, blocks=blocks[:2])
     engine.add_blocks("scattered", blocks[2:])
     engine.step({"scattered": len(ids)})
@@ -200,7 +201,7 @@ def test_scattered_blocks_generate_transformers_tokens(backend: str) -> None:
     assert sequence.generated == hf_greedy(tiny_model("llama"), ids, new), f"blocks {blocks}"
     written = sequence_slots(engine, "scattered", 0, len(ids) + new - 1)
     for old, tensor in zip(before, engine.kv_cache, strict=True):
-        now = tensor.cpu()
+        now = by_slot(tensor)
         keep = torch.ones(now.shape[0], dtype=torch.bool)
         keep[written] = False
         keep[SCRATCH_BLOCK * engine.block_size : (SCRATCH_BLOCK + 1) * engine.block_size] = False

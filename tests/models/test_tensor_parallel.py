@@ -194,10 +194,10 @@ def test_padded_heads_add_nothing(heads: int, kv_heads: int, degree: int) -> Non
     x, rope = torch.randn(2, 1, 48), (torch.ones(2, 1, 1, 8), torch.zeros(2, 1, 1, 8))
     table = torch.tensor([[1, 2], [3, 4]])  # blocks of 4 positions: a window of 8, block 0 the scratch block
     context = DecodeContext.build(torch.tensor([[3], [5]]), torch.tensor([[7], [17]]), table, 4)
-    cache = [torch.randn(20, kv_heads, 8) for _ in "KV"]  # 5 blocks of 4 slots, the model's KV heads
+    cache = [torch.randn(5, kv_heads, 4, 8) for _ in "KV"]  # 5 blocks of 4 positions, the model's KV heads
     expected = full(x, rope, [c.clone() for c in cache], context)
     extra = layout.padded_kv_heads - kv_heads
-    padded = [torch.cat([c, torch.randn(20, extra, 8)], dim=1) for c in cache]  # a padded KV head: any values
+    padded = [torch.cat([c, torch.randn(5, extra, 4, 8)], dim=1) for c in cache]  # a padded KV head: any values
     weights = {f"self_attn.{name}": tensor for name, tensor in full.state_dict().items()}  # the names it shards by
     total = torch.zeros_like(expected)
     for rank in range(degree):

@@ -50,8 +50,8 @@ def test_rank_graph_hlo_holds_the_all_reduces(tmp_path: Path) -> None:
     with tracing_group(2):
         decoder, _weights = load_decoder(hf_config, model, config, device)
         cache = allocate_cache(hf_config, config, device)
-        slots = config.kv_blocks * config.block_size  # the pool and the scratch block
-        assert [tuple(t.shape) for t in cache[:1]] == [(slots, 1, 16)]  # one of the 2 KV heads per rank
+        blocks = (config.kv_blocks, 1, config.block_size, 16)  # the pool and the scratch block
+        assert [tuple(t.shape) for t in cache[:1]] == [blocks]  # one of the 2 KV heads per rank
         for spec in graph_specs(config):
             inputs = {k: v.to(device) for k, v in example_inputs(spec).items()}
             path = tmp_path / f"{spec.name}.xla.json"

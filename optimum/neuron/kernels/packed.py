@@ -15,34 +15,24 @@ result is bitwise ``packed_linear(x, pack(q * scales))``: a quarter (int8) or an
 read, the same numbers as the dequantized fp32 weight.
 
 The operators' schemas and their shape functions are defined here (what ``torch.export`` and AOTInductor need: a
-compiled graph calls the operator by name through the dispatcher); their CPU implementation is a small C++ library
-compiled on first use into the cache (`load`: ~20 s, then a cache hit) and loaded before any graph runs.
+compiled graph calls the operator by name through the dispatcher); their CPU implementation is the toolkit's small C++
+library (`kernels.library`), compiled on first use into the cache (`load`: ~20 s, then a cache hit) and loaded before
+any graph runs.
 """
 
 from __future__ import annotations
 
-import hashlib
-import threading
-from pathlib import Path
-
 import torch
 
-from ..cache_dir import cache_lock, cache_root
-from ..errors import BackendUnavailableError
 from ..quantization import pack_nibbles, unpack_nibbles
+from .library import load
+
+__all__ = ["load"]
 
 PANEL = 16
 """Output columns per panel."""
 OPERATOR = "optimum_neuron::packed_linear"
 QOPERATOR = "optimum_neuron::packed_qlinear"
-SOURCE = Path(__file__).with_name("csrc") / "packed_linear.cpp"
-SOURCES = (SOURCE,)
-"""Every C++ source of the library (both operators): all are compiled together and all enter the build key."""
-_FLAGS = ("-O3", "-fopenmp")
-"""``-fopenmp``: ``at::parallel_for`` is inlined from ATen's OpenMP header into the kernel, and without the flag its
-``#pragma omp parallel`` is ignored: the kernel then ran on one thread whatever torch's thread count."""
-_LDFLAGS = ("-fopenmp",)
-"""libgomp.so.1, the soname torch itself loads: the loader reuses torch's runtime, so there is one thread pool."""
 
 torch.library.define(
     OPERATOR, "(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor", tags=(torch.Tag.flexible_layout,)
@@ -166,48 +156,3 @@ def pack_scales(scales: torch.Tensor) -> torch.Tensor:
     padded = scales.new_zeros(groups, -(-rows // PANEL) * PANEL)
     padded[:, :rows] = scales.t()
     return padded
-
-
-_LOCK = threading.Lock()
-_loaded: list[str] = []
-
-
-def load() -> None:
-    """Compile (once, into ``$OPTIMUM_NEURON_CACHE/kernels/<hash>``) and load the CPU implementation of
-    ``packed_linear`` and ``packed_qlinear``; a no-op once loaded. `BackendUnavailableError` when it cannot be built
-    (no C++ compiler)."""
-    with _LOCK:
-        if _loaded:
-            return
-        from torch.utils import cpp_extension
-
-        key = _build_key()
-        build = cache_root() / "kernels" / key
-        build.mkdir(parents=True, exist_ok=True)
-        with cache_lock(build.with_name(f"{key}.lock")):
-            try:
-                cpp_extension.load(
-                    name=f"optimum_neuron_kernels_{key}",
-                    sources=[str(source) for source in SOURCES],
-                    build_directory=str(build),
-                    extra_cflags=list(_FLAGS),
-                    extra_ldflags=list(_LDFLAGS),
-                    is_python_module=False,
-                    verbose=False,
-                )
-            except (OSError, RuntimeError, ImportError) as err:
-                raise BackendUnavailableError(
-                    f"cannot build the packed CPU kernel {SOURCE.name} ({err}): install a C++ compiler (g++) and "
-                    "ninja, or export with --linear_kernel aten."
-                ) from err
-        _loaded.append(key)
-
-
-def _build_key() -> str:
-    """What the compiled library depends on: its sources, torch's version and the flags."""
-    payload = (
-        b"".join(source.read_bytes() for source in SOURCES)
-        + torch.__version__.encode()
-        + " ".join(_FLAGS + _LDFLAGS).encode()
-    )
-    return hashlib.sha256(payload).hexdigest()[:16]

@@ -98,6 +98,8 @@ class StaticDecoder(nn.Module):
         self.model = DecoderBody(family, hf_config)
         self.windows = sorted({w for w in layer_windows(family, hf_config) if w is not None})
         self.softcap = family.logit_softcap(hf_config)
+        self.paged_attention = False
+        """Token generation attends with the paged CPU kernel (set for the graphs: `artifact.graph_decoder`)."""
         self.lm_head: nn.Linear | None = None
         if not self.tied:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
@@ -144,7 +146,9 @@ class StaticDecoder(nn.Module):
         block = spec.block_size
         if spec.kind is GraphKind.TOKEN_GENERATION:
             assert block_table is not None, "token generation reads the cache"
-            ctx: AttentionContext = DecodeContext.build(position_ids, slot_mapping, block_table, block, self.windows)
+            ctx: AttentionContext = DecodeContext.build(
+                position_ids, slot_mapping, block_table, block, self.windows, self.paged_attention
+            )
             return self._logits(self._hidden(input_ids, position_ids, kv_cache, ctx)[:, -1])
         ctx = ChunkContext.build(position_ids, slot_mapping, block_table, block, self.windows)
         h = self._hidden(input_ids, position_ids, kv_cache, ctx, image_rows)

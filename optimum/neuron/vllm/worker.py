@@ -91,7 +91,7 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         assert self.runner is not None, "load_model() runs before the KV cache is negotiated"
         engine = self.runner.engine
         cache, layers = engine.kv_cache[0], len(engine.kv_cache) // 2
-        _, kv_heads, head_dim = cache.shape
+        _, kv_heads, _, head_dim = cache.shape
         return compat.kv_cache_spec(layers, engine.block_size, kv_heads, head_dim, cache.dtype)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:

@@ -9,7 +9,8 @@ sliding window (`masks.chunk_window_mask`, `masks.decode_window_mask`). Each lay
 (``None``: full attention) and gets exactly that mask (`mask_for`); the cache and its writes are the same.
 
 Reads go through the call's **KV window** ``[0, W)``: the first ``W / block_size`` blocks of each row's table,
-gathered (`kv_cache.read_blocks`); writes go to each token's slot (`slot_mapping`: a live position of the
+gathered (`kv_cache.read_blocks`), or for token generation on the CPU read in place by the paged attention kernel
+(`kernels.attention`); writes go to each token's slot (`slot_mapping`: a live position of the
 sequence's blocks, or the scratch block for a token that is not real).
 """
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels.attention import paged_attention
 from .kv_cache import read_blocks, write_slots
 from .masks import chunk_mask, chunk_window_mask, decode_mask, decode_window_mask
 from .rope import apply_rotary
@@ -62,6 +64,9 @@ class DecodeContext:
     block_size: int
     mask: torch.Tensor  # [B, 1, 1, W]
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask
+    kernel: bool = False
+    """Attend with the paged CPU kernel (`kernels.attention`), reading the window's blocks in place, instead of a
+    gather and ``scaled_dot_product_attention``."""
 
     @classmethod
     def build(
@@ -71,10 +76,11 @@ class DecodeContext:
         table: torch.Tensor,
         block_size: int,
         windows: Iterable[int] = (),
+        kernel: bool = False,
     ) -> DecodeContext:
         keys = window_keys(table, block_size)
         windowed = {w: decode_window_mask(position_ids, keys, w) for w in windows}
-        return cls(slots, table, block_size, decode_mask(position_ids, keys), windowed)
+        return cls(slots, table, block_size, decode_mask(position_ids, keys), windowed, kernel)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The mask of a layer with sliding window ``window`` (``None``: full attention)."""
@@ -93,8 +99,12 @@ class DecodeContext:
         for a sliding-window layer)."""
         write_slots(caches[0], self.slots, k)
         write_slots(caches[1], self.slots, v)
-        keys, values = (read_blocks(cache, self.table, self.block_size) for cache in caches)
         mask = self.mask_for(window)
+        if self.kernel:
+            rows = mask.reshape(mask.shape[0], mask.shape[-1])
+            factor = q.shape[-1] ** -0.5 if scale is None else scale
+            return paged_attention(q, caches[0], caches[1], self.table, rows, factor)
+        keys, values = (read_blocks(cache, self.table) for cache in caches)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -139,8 +149,8 @@ class ChunkContext:
         a sliding-window layer), then store the chunk's K/V."""
         keys, values = k, v
         if self.table is not None:
-            keys = torch.cat((read_blocks(caches[0], self.table, self.block_size), k), dim=2)
-            values = torch.cat((read_blocks(caches[1], self.table, self.block_size), v), dim=2)
+            keys = torch.cat((read_blocks(caches[0], self.table), k), dim=2)
+            values = torch.cat((read_blocks(caches[1], self.table), v), dim=2)
         mask = self.mask_for(window)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         write_slots(caches[0], self.slots, k)

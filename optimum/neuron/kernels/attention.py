@@ -1,0 +1,46 @@
+"""``optimum_neuron::paged_attention``: the decode attention of the token-generation graph on the CPU, read from the
+paged KV cache in place.
+
+One new token per row attends over its sequence's KV window: the blocks its block table names, read where they lie
+(``csrc/paged_attention.cpp``), instead of gathering the window into a copy for ``scaled_dot_product_attention`` (at
+batch 8 and a 2,000-token context that copy and the strided attention after it made a decode step cost 2.7x the slot
+layout's: `benchmark/paged.py`). Which keys a row attends is the caller's mask (`models.layers.masks`), passed as
+``[B, W]`` booleans: the kernel holds no mask rule of its own. fp32 on the CPU, eager and inductor (`NeuronConfig`
+``attention_kernel``); everything else runs the gather and torch's attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OPERATOR = "optimum_neuron::paged_attention"
+
+torch.library.define(
+    OPERATOR,
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor mask, float scale) -> Tensor",
+    tags=(torch.Tag.flexible_layout,),
+)
+"""``q [B, Hq, 1, D]``, caches ``[blocks, Hk, block_size, D]``, ``block_table [B, nb]`` int64, ``mask [B, nb *
+block_size]`` bool -> ``[B, Hq, 1, D]``. ``flexible_layout``: the kernel reads a contiguous view of ``q`` and its
+other inputs as given."""
+
+
+@torch.library.register_fake(OPERATOR)
+def _output_shape(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # fmt: skip
+    return q.new_empty(q.shape)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``softmax(q K^T * scale) V`` of each row's query heads over the keys ``mask`` leaves in its window (grouped-query
+    attention: query head h uses KV head ``h // (Hq / Hk)``), K and V read through ``block_table`` from the caches."""
+    return torch.ops.optimum_neuron.paged_attention(q, k_cache, v_cache, block_table, mask, scale)

@@ -1,0 +1,224 @@
+// optimum_neuron::paged_attention: the attention of one new token per row over its sequence's KV window, read from
+// the block-paged cache where it lies (no gathered copy of the window), fp32 on the CPU.
+//
+// Inputs. q [B, Hq, 1, D] (any strides: a contiguous view is read); k_cache and v_cache [blocks, Hk, block_size, D],
+// contiguous: a KV head's positions of one block are one run of block_size x D floats; table [B, nb] int64: the blocks
+// of each row's window, in position order;
+// mask [B, W] bool, W = nb * block_size: True where the row attends the key at that window position (the caller's
+// mask rule: causality, sliding window); scale. Output [B, Hq, 1, D].
+//
+// Query head h attends with KV head h / (Hq / Hk) (grouped-query attention). One task per (row, KV head): it lists
+// where the attended keys of that head lie, computes the scores of its group of query heads against each key as the key is
+// read (one pass over K), takes their softmax (the maximum subtracted; keys the mask leaves out are never scored, so
+// nothing masked reaches exp), then sums the values weighted by it (one pass over V) and divides by the total.
+// Tasks are split over threads. A row whose mask attends no key gets zeros.
+//
+// Instruction sets. AVX2 + FMA where the CPU has it (8-wide dot products, value sums and exp), else portable C++;
+// OPTIMUM_NEURON_PACKED_ISA=portable (read once, shared with packed_linear) picks the portable path.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define OPTIMUM_NEURON_X86 1
+#endif
+
+namespace optimum_neuron {
+namespace {
+
+bool use_avx2() {
+#ifdef OPTIMUM_NEURON_X86
+  static const bool found = [] {
+    const char* asked = std::getenv("OPTIMUM_NEURON_PACKED_ISA");
+    if (asked != nullptr && std::strcmp(asked, "portable") == 0) return false;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return found;
+#else
+  return false;
+#endif
+}
+
+// One task's view of the call: the group of query heads of one row that share a KV head.
+struct Task {
+  const float* q;        // [group, D]: the group's query heads
+  const float* k;        // k_cache: the key of an attended position is at k + offsets[i]
+  const float* v;        // v_cache, likewise
+  const int64_t* offsets;  // the attended keys' offsets (floats) in the caches, count of them
+  int64_t count;
+  int64_t group;
+  int64_t dim;
+  float scale;
+  float* scores;  // [group, count] scratch
+  float* out;     // [group, D]
+};
+
+void task_portable(const Task& t) {
+  for (int64_t i = 0; i < t.count; ++i) {
+    const float* key = t.k + t.offsets[i];
+    for (int64_t g = 0; g < t.group; ++g) {
+      const float* query = t.q + g * t.dim;
+      float dot = 0.f;
+      for (int64_t d = 0; d < t.dim; ++d) dot += query[d] * key[d];
+      t.scores[g * t.count + i] = dot * t.scale;
+    }
+  }
+  for (int64_t g = 0; g < t.group; ++g) {
+    float* row = t.scores + g * t.count;
+    const float top = *std::max_element(row, row + t.count);
+    float total = 0.f;
+    for (int64_t i = 0; i < t.count; ++i) total += (row[i] = std::exp(row[i] - top));
+    float* out = t.out + g * t.dim;
+    std::fill(out, out + t.dim, 0.f);
+    for (int64_t i = 0; i < t.count; ++i) {
+      const float* value = t.v + t.offsets[i];
+      const float weight = row[i] / total;
+      for (int64_t d = 0; d < t.dim; ++d) out[d] += weight * value[d];
+    }
+  }
+}
+
+#ifdef OPTIMUM_NEURON_X86
+// exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial (Cephes' expf), times 2^n.
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365447504f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(power));
+}
+
+__attribute__((target("avx2,fma"))) inline float sum8(__m256 v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_add_ss(half, _mm_movehdup_ps(half));
+  return _mm_cvtss_f32(half);
+}
+
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t dim) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  float dot = sum8(acc);
+  for (; d < dim; ++d) dot += a[d] * b[d];
+  return dot;
+}
+
+__attribute__((target("avx2,fma"))) void task_avx2(const Task& t) {
+  for (int64_t i = 0; i < t.count; ++i) {
+    const float* key = t.k + t.offsets[i];
+    for (int64_t g = 0; g < t.group; ++g) t.scores[g * t.count + i] = dot_avx2(t.q + g * t.dim, key, t.dim) * t.scale;
+  }
+  std::vector<float> totals(t.group);
+  for (int64_t g = 0; g < t.group; ++g) {
+    float* row = t.scores + g * t.count;
+    const __m256 top = _mm256_set1_ps(*std::max_element(row, row + t.count));
+    __m256 total = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= t.count; i += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), top));
+      _mm256_storeu_ps(row + i, e);
+      total = _mm256_add_ps(total, e);
+    }
+    float rest = 0.f;
+    for (; i < t.count; ++i) rest += (row[i] = std::exp(row[i] - _mm256_cvtss_f32(top)));
+    totals[g] = sum8(total) + rest;
+    std::fill(t.out + g * t.dim, t.out + (g + 1) * t.dim, 0.f);
+  }
+  for (int64_t i = 0; i < t.count; ++i) {
+    const float* value = t.v + t.offsets[i];
+    for (int64_t g = 0; g < t.group; ++g) {
+      const __m256 weight = _mm256_set1_ps(t.scores[g * t.count + i]);
+      float* out = t.out + g * t.dim;
+      int64_t d = 0;
+      for (; d + 8 <= t.dim; d += 8) {
+        _mm256_storeu_ps(out + d, _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + d), _mm256_loadu_ps(out + d)));
+      }
+      for (; d < t.dim; ++d) out[d] += t.scores[g * t.count + i] * value[d];
+    }
+  }
+  for (int64_t g = 0; g < t.group; ++g) {
+    const float inverse = 1.f / totals[g];
+    for (int64_t d = 0; d < t.dim; ++d) t.out[g * t.dim + d] *= inverse;
+  }
+}
+#endif
+
+void run_task(const Task& t) {
+  if (t.count == 0) {
+    std::fill(t.out, t.out + t.group * t.dim, 0.f);
+    return;
+  }
+#ifdef OPTIMUM_NEURON_X86
+  if (use_avx2()) return task_avx2(t);
+#endif
+  task_portable(t);
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& table, const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "paged_attention: q must be [B, Hq, 1, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "paged_attention: caches must be [blocks, Hk, block_size, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "paged_attention: float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
+  TORCH_CHECK(table.scalar_type() == at::kLong && mask.scalar_type() == at::kBool, "paged_attention: int64 table, "
+              "bool mask");
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(3);
+  const int64_t cache_blocks = k_cache.size(0), kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t blocks = table.size(1), window = blocks * block_size, group = heads / kv_heads;
+  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "paged_attention: head layout mismatch");
+  TORCH_CHECK(table.size(0) == rows && mask.size(0) == rows && mask.size(1) == window,
+              "paged_attention: table [B, nb] and mask [B, nb * block_size] expected");
+  const at::Tensor qc = q.contiguous(), tc = table.contiguous(), mc = mask.contiguous();
+  at::Tensor out = at::empty({rows, heads, 1, dim}, q.options());
+  const float *qp = qc.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const int64_t* tp = tc.data_ptr<int64_t>();
+  const bool* mp = mc.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> keys(window);
+    std::vector<float> scores(group * window);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / kv_heads, head = task % kv_heads;
+      int64_t count = 0;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t block = tp[row * blocks + b];
+        TORCH_CHECK(block >= 0 && block < cache_blocks, "paged_attention: a block of the table lies outside the cache");
+        const int64_t base = ((block * kv_heads + head) * block_size) * dim;
+        for (int64_t j = 0; j < block_size; ++j) {
+          if (mp[row * window + b * block_size + j]) keys[count++] = base + j * dim;
+        }
+      }
+      const int64_t first = row * heads + head * group;
+      const Task t{qp + first * dim, kp, vp, keys.data(), count, group, dim, static_cast<float>(scale), scores.data(),
+                   op + first * dim};
+      run_task(t);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace optimum_neuron
+
+TORCH_LIBRARY_IMPL(optimum_neuron, CPU, m) { m.impl("paged_attention", &optimum_neuron::paged_attention); }

@@ -1,0 +1,65 @@
+"""The toolkit's C++ library of CPU operators (``csrc/``: `packed` linear layers, `attention`), compiled together on
+first use into ``$OPTIMUM_NEURON_CACHE/kernels/<hash>`` with torch's ``cpp_extension`` (~20 s, then a cache hit) and
+loaded before any graph that calls them runs."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import torch
+
+from ..cache_dir import cache_lock, cache_root
+from ..errors import BackendUnavailableError
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "packed_linear.cpp", CSRC / "paged_attention.cpp")
+"""Every C++ source of the library: all are compiled together and all enter the build key."""
+_FLAGS = ("-O3", "-fopenmp")
+"""``-fopenmp``: ``at::parallel_for`` is inlined from ATen's OpenMP header into the kernels, and without the flag its
+``#pragma omp parallel`` is ignored: a kernel then ran on one thread whatever torch's thread count."""
+_LDFLAGS = ("-fopenmp",)
+"""libgomp.so.1, the soname torch itself loads: the loader reuses torch's runtime, so there is one thread pool."""
+_LOCK = threading.Lock()
+_loaded: list[str] = []
+
+
+def load() -> None:
+    """Compile (once, into ``$OPTIMUM_NEURON_CACHE/kernels/<hash>``) and load the CPU implementation of every operator
+    of the library; a no-op once loaded. `BackendUnavailableError` when it cannot be built (no C++ compiler)."""
+    with _LOCK:
+        if _loaded:
+            return
+        from torch.utils import cpp_extension
+
+        key = _build_key()
+        build = cache_root() / "kernels" / key
+        build.mkdir(parents=True, exist_ok=True)
+        with cache_lock(build.with_name(f"{key}.lock")):
+            try:
+                cpp_extension.load(
+                    name=f"optimum_neuron_kernels_{key}",
+                    sources=[str(source) for source in SOURCES],
+                    build_directory=str(build),
+                    extra_cflags=list(_FLAGS),
+                    extra_ldflags=list(_LDFLAGS),
+                    is_python_module=False,
+                    verbose=False,
+                )
+            except (OSError, RuntimeError, ImportError) as err:
+                raise BackendUnavailableError(
+                    f"cannot build the toolkit's CPU kernels ({', '.join(s.name for s in SOURCES)}: {err}): install a "
+                    "C++ compiler (g++) and ninja, or export with --linear_kernel aten --attention_kernel sdpa."
+                ) from err
+        _loaded.append(key)
+
+
+def _build_key() -> str:
+    """What the compiled library depends on: its sources, torch's version and the flags."""
+    payload = (
+        b"".join(source.read_bytes() for source in SOURCES)
+        + torch.__version__.encode()
+        + " ".join(_FLAGS + _LDFLAGS).encode()
+    )
+    return hashlib.sha256(payload).hexdigest()[:16]

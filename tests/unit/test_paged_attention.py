@@ -1,0 +1,101 @@
+"""The paged attention kernel (`kernels.attention`): each row's attention over the blocks of its window, read in place,
+equals torch's ``scaled_dot_product_attention`` on the gathered window (grouped-query attention, causal and
+sliding-window masks, head sizes with and without a tail past the vector width, scattered blocks, an idle row reading
+the scratch block), on the AVX2 path and the portable one; bad inputs raise."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from optimum.neuron.kernels import library
+from optimum.neuron.kernels.attention import paged_attention
+from optimum.neuron.models.layers.kv_cache import read_blocks
+from optimum.neuron.models.layers.masks import decode_mask, decode_window_mask
+
+CASES = [  # (rows, query heads, KV heads, head size, block size, blocks per window, sliding window)
+    (2, 4, 2, 16, 4, 4, None),
+    (3, 9, 3, 64, 32, 8, None),
+    (1, 8, 1, 20, 8, 3, None),  # a head size past the 8-float vectors
+    (4, 6, 6, 32, 4, 5, 7),  # no grouping, a sliding window
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    library.load()
+
+
+def inputs(rows: int, heads: int, kv_heads: int, dim: int, block: int, blocks: int, seed: int = 0) -> tuple:
+    generator = torch.Generator().manual_seed(seed)
+    pool = rows * blocks + 1  # block 0: the scratch block
+    caches = [torch.randn(pool, kv_heads, block, dim, generator=generator) for _ in "KV"]
+    table = (torch.randperm(pool - 1, generator=generator)[: rows * blocks] + 1).reshape(rows, blocks)
+    q = torch.randn(rows, heads, 1, dim, generator=generator)
+    positions = torch.randint(0, blocks * block, (rows, 1), generator=generator)
+    return q, caches, table, positions
+
+
+def reference(q: torch.Tensor, caches: list, table: torch.Tensor, mask: torch.Tensor, block: int) -> torch.Tensor:
+    keys, values = (read_blocks(cache, table) for cache in caches)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "dim", "block", "blocks", "window"), CASES)
+def test_equals_sdpa_on_the_gathered_window(
+    rows: int, heads: int, kv_heads: int, dim: int, block: int, blocks: int, window: int | None
+) -> None:
+    q, caches, table, positions = inputs(rows, heads, kv_heads, dim, block, blocks)
+    keys = torch.arange(blocks * block)
+    mask = decode_mask(positions, keys) if window is None else decode_window_mask(positions, keys, window)
+    got = paged_attention(q, caches[0], caches[1], table, mask.reshape(rows, -1), dim**-0.5)
+    torch.testing.assert_close(got, reference(q, caches, table, mask, block), rtol=1e-5, atol=1e-6)
+
+
+def test_an_idle_row_reads_the_scratch_block_and_a_row_with_no_key_gives_zeros() -> None:
+    q, caches, table, positions = inputs(2, 4, 2, 16, 4, 4)
+    table[1] = 0  # an idle row of the token-generation graph: all scratch, position 0
+    positions[1] = 0
+    mask = decode_mask(positions, torch.arange(16))
+    got = paged_attention(q, caches[0], caches[1], table, mask.reshape(2, -1), 0.25)
+    torch.testing.assert_close(got[1, :, 0], caches[1][0, :, 0].repeat_interleave(2, 0))  # its one key: slot 0
+    empty = paged_attention(q, caches[0], caches[1], table, torch.zeros(2, 16, dtype=torch.bool), 0.25)
+    assert torch.equal(empty, torch.zeros_like(empty))
+
+
+def test_bad_inputs_raise() -> None:
+    q, caches, table, positions = inputs(2, 4, 2, 16, 4, 4)
+    mask = decode_mask(positions, torch.arange(16)).reshape(2, -1)
+    with pytest.raises(RuntimeError, match="float32"):
+        paged_attention(q.double(), caches[0], caches[1], table, mask, 0.25)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        paged_attention(q, caches[0], caches[1], table + 100, mask, 0.25)
+    with pytest.raises(RuntimeError, match="head layout"):
+        paged_attention(q[:, :3], caches[0], caches[1], table, mask, 0.25)
+
+
+_PORTABLE = """
+import torch
+from tests.unit.test_paged_attention import CASES, inputs, reference
+from optimum.neuron.kernels import library
+from optimum.neuron.kernels.attention import paged_attention
+from optimum.neuron.models.layers.masks import decode_mask
+library.load()
+for rows, heads, kv_heads, dim, block, blocks, _ in CASES:
+    q, caches, table, positions = inputs(rows, heads, kv_heads, dim, block, blocks, seed=3)
+    mask = decode_mask(positions, torch.arange(blocks * block))
+    got = paged_attention(q, caches[0], caches[1], table, mask.reshape(rows, -1), dim ** -0.5)
+    torch.testing.assert_close(got, reference(q, caches, table, mask, block), rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+def test_the_portable_path_equals_sdpa_too() -> None:
+    env = {**os.environ, "OPTIMUM_NEURON_PACKED_ISA": "portable"}
+    done = subprocess.run([sys.executable, "-c", _PORTABLE], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
