@@ -1,8 +1,10 @@
 """Paged KV cache benchmark: what paging costs a decode step, what prefix caching buys a chat workload, what a pool
 smaller than the slots lets a larger batch serve (SmolLM2-135M-Instruct, fp32, inductor).
 
-    .venv/bin/python -m benchmark.paged [--quick] [--parts price prefix fit] [--baseline COMMIT] [--machine NAME]
+    .venv/bin/python -m benchmark.paged [--quick] [--parts blocks price prefix fit] [--baseline COMMIT] [--machine NAME]
 
+* ``blocks``: per block size (8 to 128), the paged decode attention of a step (batch 8, window 2048, 30 layers) and
+  a prefill chunk's gather of a 2048-position window, timed alone: what the default block size is chosen from.
 * ``price``: decode ms/step at batch 8, contexts 64 and 2000 (S 2048, C 256), this checkout's paged cache against
   the slot layout of ``--baseline`` (a commit before paging, checked out in a git worktree under the cache and run
   with its own cache folder), each point in a fresh process, interleaved rounds; and the share of the step the block
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +83,41 @@ def gather_ms(window: int, block: int, steps: int = 20) -> float:
         start = time.perf_counter()
         for tensor in cache:
             read_blocks(tensor, table)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def block_sizes(steps: int = 20) -> dict[str, Any]:
+    """Per block size: milliseconds of one decode step's attention over 30 layers with the paged kernel (batch 8, window
+    2048, SmolLM2's 9 query / 3 KV heads of 64) and of one prefill chunk's gather of a 2048-position window (30 layers
+    x K and V), the blocks spread over the pool."""
+    import torch
+
+    from optimum.neuron.kernels import library
+    from optimum.neuron.kernels.attention import paged_attention
+    from optimum.neuron.models.layers.kv_cache import read_blocks
+
+    library.load()
+    rows: dict[str, Any] = {}
+    for block in (8, 16, 32, 64, 128):
+        pool = BATCH * SEQUENCE_LENGTH // block + 1
+        k, v = torch.randn(pool, 3, block, 64), torch.randn(pool, 3, block, 64)
+        table = torch.randperm(pool - 1)[: BATCH * SEQUENCE_LENGTH // block].reshape(BATCH, -1) + 1
+        q, mask = torch.randn(BATCH, 9, 1, 64), torch.ones(BATCH, SEQUENCE_LENGTH, dtype=torch.bool)
+        decode = _median_ms(partial(paged_attention, q, k, v, table, mask, 0.125), 30, steps)
+        gather = _median_ms(partial(read_blocks, k, table[:1]), 60, steps)
+        rows[str(block)] = {"decode_attention_ms": decode, "prefill_gather_ms": gather}
+    return rows
+
+
+def _median_ms(call: Any, repeats: int, steps: int) -> float:
+    """Median over ``steps`` of the milliseconds ``repeats`` calls of ``call`` take (a step's layers)."""
+    call()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 
@@ -178,7 +216,8 @@ def fit(model_dir: str, cache: Path, rounds: int, quick: bool) -> dict[str, Any]
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one round, fewer steps and requests")
-    parser.add_argument("--parts", nargs="+", default=["price", "prefix", "fit"], choices=["price", "prefix", "fit"])
+    parts = ["blocks", "price", "prefix", "fit"]
+    parser.add_argument("--parts", nargs="+", default=parts, choices=parts)
     parser.add_argument("--baseline", default=BASELINE, help="the commit whose slot layout `price` compares with")
     parser.add_argument("--machine", default="epyc-2core", help="results subfolder name")
     args = parser.parse_args(argv)
@@ -198,7 +237,9 @@ def main(argv: list[str] | None = None) -> None:
         task = progress.add_task("paged KV benchmark", total=len(args.parts))
         for part in args.parts:
             progress.update(task, description=f"paged KV benchmark: {part}")
-            if part == "price":
+            if part == "blocks":
+                results["blocks"] = block_sizes()
+            elif part == "price":
                 baseline = baseline_checkout(args.baseline, cache)
                 results["price"] = price(model_dir, baseline, cache, rounds, 8 if args.quick else 16)
             elif part == "prefix":
@@ -206,7 +247,16 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 results["fit"] = fit(model_dir, cache, rounds, args.quick)
             progress.advance(task)
-    write_report(RESULTS / args.machine, results)
+    write_report(RESULTS / args.machine, earlier_parts(RESULTS / args.machine, args.parts) | results)
+
+
+def earlier_parts(folder: Path, run: list[str]) -> dict[str, Any]:
+    """The parts of the committed ``paged.json`` this run did not measure, so parts may be run one at a time."""
+    path = folder / "paged.json"
+    if not path.is_file():
+        return {}
+    earlier = json.loads(path.read_text())
+    return {part: earlier[part] for part in ("blocks", "price", "prefix", "fit") if part in earlier and part not in run}
 
 
 if __name__ == "__main__":

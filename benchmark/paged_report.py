@@ -64,6 +64,23 @@ def serve_lines(title: str, intro: str, runs: dict[str, list[dict[str, Any]]], b
     return [*lines, "", f"1-minute load after each run: {_runs(loads)}.", ""]
 
 
+def block_lines(blocks: dict[str, Any]) -> list[str]:
+    """The block-size sweep."""
+    lines = [
+        "## Block size",
+        "",
+        "Milliseconds per decode step of the paged attention kernel (30 layers, batch 8, window 2048, 9 query / 3 KV "
+        "heads of 64) and of a prefill chunk's gather of a 2048-position window (30 layers x K and V), timed alone, "
+        "the blocks spread over the pool.",
+        "",
+        "| block size | decode attention ms | prefill gather ms |",
+        "|---|---|---|",
+    ]
+    for size, row in blocks.items():
+        lines.append(f"| {size} | {row['decode_attention_ms']:.1f} | {row['prefill_gather_ms']:.2f} |")
+    return [*lines, ""]
+
+
 def write_report(folder: Path, results: dict[str, Any]) -> None:
     """``paged.md`` and ``paged.json`` under ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -78,6 +95,8 @@ def write_report(folder: Path, results: dict[str, Any]) -> None:
         f"Machine: {machine}.",
         "",
     ]
+    if "blocks" in results:
+        lines += block_lines(results["blocks"])
     if "price" in results:
         lines += price_lines(results["price"], results["baseline"])
     if "prefix" in results:
