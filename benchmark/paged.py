@@ -66,48 +66,49 @@ def baseline_checkout(commit: str, cache: Path) -> Path:
     return tree
 
 
-def gather_ms(window: int, block: int, steps: int = 20) -> float:
-    """Milliseconds one decode step spends gathering its KV window: `read_blocks` for K and V of 30 layers, batch 8,
-    SmolLM2's 3 KV heads of 64, the blocks spread over the pool."""
-    import torch
-
-    from optimum.neuron.models.layers.kv_cache import read_blocks
-
-    blocks = BATCH * SEQUENCE_LENGTH // block + 1
-    cache = [torch.randn(blocks, 3, block, 64) for _ in range(60)]
-    table = torch.randperm(blocks - 1)[: BATCH * (window // block)].reshape(BATCH, -1) + 1
-    for tensor in cache[:2]:
-        read_blocks(tensor, table)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        for tensor in cache:
-            read_blocks(tensor, table)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
-
-
-def block_sizes(steps: int = 20) -> dict[str, Any]:
-    """Per block size: milliseconds of one decode step's attention over 30 layers with the paged kernel (batch 8, window
-    2048, SmolLM2's 9 query / 3 KV heads of 64) and of one prefill chunk's gather of a 2048-position window (30 layers
-    x K and V), the blocks spread over the pool."""
+def attention_ms(window: int, block: int, steps: int = 20) -> float:
+    """Milliseconds of a batch-8 decode step's attention over 30 layers with the paged kernel: SmolLM2's 9 query / 3
+    KV heads of 64, a ``window``-position window of ``block``-position blocks spread over the pool."""
     import torch
 
     from optimum.neuron.kernels import library
     from optimum.neuron.kernels.attention import paged_attention
-    from optimum.neuron.models.layers.kv_cache import read_blocks
 
     library.load()
-    rows: dict[str, Any] = {}
-    for block in (8, 16, 32, 64, 128):
-        pool = BATCH * SEQUENCE_LENGTH // block + 1
-        k, v = torch.randn(pool, 3, block, 64), torch.randn(pool, 3, block, 64)
-        table = torch.randperm(pool - 1)[: BATCH * SEQUENCE_LENGTH // block].reshape(BATCH, -1) + 1
-        q, mask = torch.randn(BATCH, 9, 1, 64), torch.ones(BATCH, SEQUENCE_LENGTH, dtype=torch.bool)
-        decode = _median_ms(partial(paged_attention, q, k, v, table, mask, 0.125), 30, steps)
-        gather = _median_ms(partial(read_blocks, k, table[:1]), 60, steps)
-        rows[str(block)] = {"decode_attention_ms": decode, "prefill_gather_ms": gather}
-    return rows
+    k, v, table = _pool(window, block)
+    q, mask = torch.randn(BATCH, 9, 1, 64), torch.ones(BATCH, window, dtype=torch.bool)
+    return _median_ms(partial(paged_attention, q, k, v, table, mask, 0.125), 30, steps)
+
+
+def gather_ms(window: int, block: int, steps: int = 20) -> float:
+    """Milliseconds a prefill chunk spends gathering its ``window``-position window (`read_blocks`, K and V of 30
+    layers, one row), the blocks spread over the pool."""
+    from optimum.neuron.models.layers.kv_cache import read_blocks
+
+    k, _, table = _pool(window, block)
+    return _median_ms(partial(read_blocks, k, table[:1]), 60, steps)
+
+
+def _pool(window: int, block: int) -> tuple[Any, Any, Any]:
+    """K and V pools of batch 8 x S positions (3 heads of 64) and a ``[8, window / block]`` table of shuffled blocks."""
+    import torch
+
+    pool = BATCH * SEQUENCE_LENGTH // block + 1
+    k, v = torch.randn(pool, 3, block, 64), torch.randn(pool, 3, block, 64)
+    table = torch.randperm(pool - 1)[: BATCH * (window // block)].reshape(BATCH, -1) + 1
+    return k, v, table
+
+
+def block_sizes() -> dict[str, Any]:
+    """Per block size: a decode step's paged attention and a prefill chunk's gather, window 2048."""
+    sizes = (8, 16, 32, 64, 128)
+    return {
+        str(block): {
+            "decode_attention_ms": attention_ms(SEQUENCE_LENGTH, block),
+            "prefill_gather_ms": gather_ms(SEQUENCE_LENGTH, block),
+        }
+        for block in sizes
+    }
 
 
 def _median_ms(call: Any, repeats: int, steps: int) -> float:
@@ -140,8 +141,11 @@ def price(model_dir: str, baseline: Path, cache: Path, rounds: int, steps: int) 
                 result = run_worker({**spec, "steps": steps}, cwd, own_cache)
                 runs.setdefault(f"{name}@{context}", []).append(result["median_ms"])
     block = NeuronConfig(batch_size=BATCH, sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=CHUNK).block_size
-    gathers = {context: gather_ms(256 if context < 256 else SEQUENCE_LENGTH, block) for context in CONTEXTS}
-    return {"runs": runs, "block_size": block, "gather_ms": gathers, "load": os.getloadavg()[0]}
+    windows = {context: 256 if context < 256 else SEQUENCE_LENGTH for context in CONTEXTS}
+    attention = {context: attention_ms(window, block) for context, window in windows.items()}
+    gathers = {context: gather_ms(window, block) for context, window in windows.items()}
+    load = os.getloadavg()[0]
+    return {"runs": runs, "block_size": block, "attention_ms": attention, "gather_ms": gathers, "load": load}
 
 
 def export_artifact(model_dir: str, out: Path, **fields: Any) -> Path:

@@ -17,24 +17,30 @@ def _runs(values: list[float]) -> str:
 
 
 def price_lines(price: dict[str, Any], baseline: str) -> list[str]:
-    """The price of paging: decode ms/step, paged vs slot layout, and the gather's share."""
+    """The price of paging: decode ms/step, paged vs slot layout, and the shares of the block reads."""
     lines = [
         "## The price of paging: decode ms/step, batch 8",
         "",
-        f"SmolLM2 fp32, S 2048, C 256, `--kv_buckets auto`, blocks of {price['block_size']} positions; every row at "
-        "the given context, median of the decode steps of each fresh process (one value per round). The slot layout "
-        f"is commit {baseline}, the last before paging. The gather is `read_blocks` for K and V of the 30 layers on "
-        "the step's shapes (window 256 at context 64, 2048 at context 2000), timed alone.",
+        f"SmolLM2 fp32, S 2048, C 256, `--kv_buckets auto`, blocks of {price['block_size']} positions; every row "
+        "at the given context, median of the decode steps of each fresh process (one value per round). The slot "
+        f"layout is commit {baseline}, the last before paging. The token-generation graph gathers nothing: its "
+        "attention reads the window's blocks where they lie (`optimum_neuron::paged_attention`); the fifth column is "
+        "that kernel alone on the step's shapes (30 layers, window 256 at context 64, 2048 at context 2000) and its "
+        "share of the paged step. A prefill chunk still gathers its window (`read_blocks`, K and V of 30 layers, one "
+        "row): the last column.",
         "",
-        "| context | paged ms/step | slot layout ms/step | paged / slot | gather ms (share of the paged step) |",
-        "|---|---|---|---|---|",
+        "| context | paged ms/step | slot layout ms/step | paged / slot | decode attention ms (share) "
+        "| chunk gather ms |",
+        "|---|---|---|---|---|---|",
     ]
-    for context, gather in price["gather_ms"].items():
+    for context, attention in price["attention_ms"].items():
         paged, slot = price["runs"][f"paged@{context}"], price["runs"][f"slot@{context}"]
         ratio = _median(paged) / _median(slot)
-        share = gather / _median(paged)
+        share = 100 * attention / _median(paged)
+        gather = price["gather_ms"][context]
         lines.append(
-            f"| {context} | {_runs(paged)} | {_runs(slot)} | **{ratio:.2f}x** | {gather:.1f} ({100 * share:.0f} %) |"
+            f"| {context} | {_runs(paged)} | {_runs(slot)} | **{ratio:.2f}x** | {attention:.1f} ({share:.0f} %) "
+            f"| {gather:.2f} |"
         )
     return [*lines, "", f"1-minute load at the end of the part: {price['load']:.2f}.", ""]
 
