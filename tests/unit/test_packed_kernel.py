@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from optimum.neuron.errors import BackendUnavailableError
-from optimum.neuron.kernels import packed
+from optimum.neuron.kernels import library, packed
 from optimum.neuron.models.layers.embedding import PackedEmbedding, ScaledEmbedding
 from optimum.neuron.models.layers.packed import PackedLinear, head_logits, pack_decoder, packable, packed_weights
 
@@ -95,8 +95,8 @@ def test_no_compiler_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
         raise RuntimeError("Error building extension: g++ not found")
 
     monkeypatch.setattr(cpp_extension, "load", broken)
-    monkeypatch.setattr(packed, "_loaded", [])
-    with pytest.raises(BackendUnavailableError, match="--linear_kernel aten"):
+    monkeypatch.setattr(library, "_loaded", [])
+    with pytest.raises(BackendUnavailableError, match="--linear_kernel aten --attention_kernel sdpa"):
         packed.load()
 
 

@@ -59,6 +59,14 @@ class Server:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as err:
             return err.code, err.read().decode()
+        except TimeoutError as err:
+            raise AssertionError(
+                f"POST {path}: no answer in {REQUEST_SECONDS} s; the server log ends:\n{self.log_tail()}"
+            ) from err
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last ``lines`` lines of the server's log (what it was doing when a request went unanswered)."""
+        return "\n".join(Path(self.log).read_text(errors="replace").splitlines()[-lines:])
 
     def rpc(self, method: str, *args: Any) -> list[Any]:
         """Each worker's answer to ``method`` (vLLM's ``/collective_rpc``: needs ``VLLM_SERVER_DEV_MODE=1``)."""
