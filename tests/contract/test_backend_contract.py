@@ -4,7 +4,8 @@
   prompt length or the set of decoding slots; xla compiles each graph at most once per process.
 * 2 — one KV cache: every graph receives the engine's own tensors and updates them in place, at the rows of its
   sequences' blocks (and the scratch block) only; no graph holds a cache of its own; a sequence whose blocks are
-  scattered over the pool generates what it generates in contiguous ones.
+  scattered over the pool generates what it generates in contiguous ones; prompts of 1, b - 1, b, b + 1 and 2b + 1
+  tokens prefilled in pieces that seam inside blocks generate transformers' tokens.
 * 3 — one weight set: every graph computes with the engine's weight tensors themselves (an in-place
   change of a weight shows in every graph's output).
 * 4 — a short chunk writes exactly its real rows, bitwise equal to the same tokens in a full chunk, and its
@@ -206,6 +207,24 @@ def test_scattered_blocks_generate_transformers_tokens(backend: str) -> None:
         keep[written] = False
         keep[SCRATCH_BLOCK * engine.block_size : (SCRATCH_BLOCK + 1) * engine.block_size] = False
         assert torch.equal(now[keep], old[keep]), "a row outside the sequence's positions was written"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_boundaries_and_seams_inside_blocks_generate_transformers_tokens(backend: str) -> None:
+    """Prompts of 1, b - 1, b, b + 1 and 2b + 1 tokens (b the block size), each prefilled in pieces of b - 1 tokens, so
+    chunk seams fall inside blocks and across their boundaries, then decoded across block boundaries, generate what
+    transformers generates."""
+    engine = engine_for(backend)
+    block = engine.block_size
+    assert CHUNK % block == 0, "the fixtures' whole chunks seam at block boundaries; this test seams inside them"
+    for length in (1, block - 1, block, block + 1, 2 * block + 1):
+        ids, new, name = prompt(length, 40 + length), 2 * block + 1, f"p{length}"
+        sequence = engine.admit(name, ids, GREEDY, reuse=False)
+        while not sequence.generated:
+            engine.step({name: min(block - 1, sequence.pending)})
+        decode(engine, [name], new - 1)
+        assert sequence.generated == hf_greedy(tiny_model("llama"), ids, new), f"prompt length {length}"
+        engine.release(name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
