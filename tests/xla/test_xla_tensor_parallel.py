@@ -33,8 +33,8 @@ ALL_REDUCE = re.compile(r"= \((f32\[[\d,]+\])[^)]*\) all-reduce\(.*replica_group
 def test_rank_graph_hlo_holds_the_all_reduces(tmp_path: Path) -> None:
     model = tiny_model("llama", num_key_value_heads=2)
     # the rank decoder does not depend on the backend: the config is eager's (one KV window, so its graphs are the
-    # static ones the xla backend would compile, and aten linears, what the xla backend's graphs call), the trace is the
-    # xla backend's
+    # static ones the xla backend would compile, aten linears and the gather + SDPA attention, what the xla backend's
+    # graphs call), the trace is the xla backend's
     config = NeuronConfig(
         batch_size=2,
         sequence_length=32,
@@ -43,6 +43,7 @@ def test_rank_graph_hlo_holds_the_all_reduces(tmp_path: Path) -> None:
         tp_degree=2,
         backend="eager",
         linear_kernel="aten",
+        attention_kernel="sdpa",
         decode_logits=False,  # the two graphs this test has always traced
     )
     backend, hf_config = XlaBackend(), hf_config_of(model)
