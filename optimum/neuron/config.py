@@ -373,20 +373,20 @@ def _packed_kernel_applies(config: NeuronConfig) -> bool:
 
 
 def _check_linear_kernel(config: NeuronConfig) -> None:
-    if config.linear_kernel == "packed" and not _packed_kernel_applies(config):
-        raise IncompatibleConfigError(
-            f"linear_kernel='packed' runs fp32 graphs on the CPU with the eager or inductor backend, not "
-            f"{config.auto_cast_type} on {config.device} with {config.backend}: pass {flag('linear_kernel')} auto (or "
-            "aten), or export fp32 for the CPU."
-        )
+    _check_cpu_kernel(config, "linear_kernel", "packed", "aten")
 
 
 def _check_attention_kernel(config: NeuronConfig) -> None:
-    if config.attention_kernel == "paged" and not _packed_kernel_applies(config):
+    _check_cpu_kernel(config, "attention_kernel", "paged", "sdpa")
+
+
+def _check_cpu_kernel(config: NeuronConfig, field: str, kernel: str, fallback: str) -> None:
+    """Refuse ``field=kernel`` (a toolkit CPU kernel) where it does not run, naming the flag and its fallback."""
+    if getattr(config, field) == kernel and not _packed_kernel_applies(config):
         raise IncompatibleConfigError(
-            f"attention_kernel='paged' runs fp32 graphs on the CPU with the eager or inductor backend, not "
-            f"{config.auto_cast_type} on {config.device} with {config.backend}: pass {flag('attention_kernel')} auto "
-            "(or sdpa), or export fp32 for the CPU."
+            f"{field}={kernel!r} runs fp32 graphs on the CPU with the eager or inductor backend, not "
+            f"{config.auto_cast_type} on {config.device} with {config.backend}: pass {flag(field)} auto (or "
+            f"{fallback}), or export fp32 for the CPU."
         )
 
 
