@@ -106,11 +106,11 @@ def main() -> None:
     parser.add_argument("--machine", default="epyc-2core")
     args = parser.parse_args()
     from optimum.neuron.cache_dir import cache_root
-    from optimum.neuron.kernels import packed
+    from optimum.neuron.kernels import library
     from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
 
     model_dir = convert_smollm2(default_smollm2_dir("fp32"), dtype="fp32")
-    packed.load()  # the kernel's one-time build, shared by every run
+    library.load()  # the kernel's one-time build, shared by every run
     kernels = cache_root() / "kernels"
     rows = {}
     for variant, flags in VARIANTS.items():

@@ -75,9 +75,9 @@ def dequantized(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def implementations(weight: torch.Tensor, copies: int, fmt: str = "fp32") -> tuple[dict[str, Linear], torch.Tensor]:
     """Each implementation of ``fmt`` bound to ``copies`` distinct copies of ``weight`` in its own layout, and the
     float64 weight they compute with (``weight`` itself for fp32, its dequantized twin otherwise)."""
-    from optimum.neuron.kernels import packed
+    from optimum.neuron.kernels import library, packed
 
-    packed.load()
+    library.load()
     rows = weight.shape[0]
     if fmt == "fp32":
         plain = [weight.clone() for _ in range(copies)]

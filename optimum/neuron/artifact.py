@@ -248,15 +248,16 @@ def graph_weights(
 ) -> dict[str, torch.Tensor]:
     """The weight set every graph of rank ``rank`` binds, derived from the stored ``weights`` (the checkpoint's layout,
     quantized layers in `quantization`'s stored form): the rank's slice (`quantization.graph_form`), its linear layers
-    packed when ``config.packed_linears`` (the packed kernel is loaded then). Still one set: each packed tensor
-    replaces its stored one, nothing is kept twice."""
+    packed when ``config.packed_linears``. The toolkit's kernel library is loaded when the graphs call one of its
+    operators (packed linears, paged attention). Still one set: each packed tensor replaces its stored one, nothing is
+    kept twice."""
     weights = graph_form(weights, config, lambda full: rank_weights(hf_config, config, full, rank))
-    if config.paged_attention:
-        kernel_library.load()  # the graphs call the paged attention kernel
+    if config.packed_linears:
+        _check_packed_device(weights)
+    if config.packed_linears or config.paged_attention:
+        kernel_library.load()
     if not config.packed_linears:
         return weights
-    _check_packed_device(weights)
-    packed_kernel.load()
     names = packed_weights(graph_decoder(hf_config, config))
     packed = {name: packed_kernel.pack(tensor) if name in names else tensor for name, tensor in weights.items()}
     for layer in quantized_layers(weights):

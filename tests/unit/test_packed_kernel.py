@@ -19,7 +19,7 @@ SHAPES = [(16, 8), (100, 64), (96, 200), (49, 1536)]
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel() -> None:
-    packed.load()
+    library.load()
 
 
 @pytest.mark.parametrize(("out", "inp"), SHAPES)
@@ -97,7 +97,7 @@ def test_no_compiler_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpp_extension, "load", broken)
     monkeypatch.setattr(library, "_loaded", [])
     with pytest.raises(BackendUnavailableError, match="--linear_kernel aten --attention_kernel sdpa"):
-        packed.load()
+        library.load()
 
 
 class _Tiny(nn.Module):
@@ -133,8 +133,8 @@ def test_pack_decoder_swaps_exactly_the_packable_modules(tied: bool) -> None:
 
 _PRODUCTS = """
 import sys, torch
-from optimum.neuron.kernels import packed
-packed.load()
+from optimum.neuron.kernels import library, packed
+library.load()
 torch.manual_seed(2)
 out = {}
 for rows in (1, 6, 8, 64, 256):

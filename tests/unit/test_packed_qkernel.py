@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from optimum.neuron.kernels import packed
+from optimum.neuron.kernels import library, packed
 
 SHAPES = [(16, 8), (100, 64), (96, 200), (49, 1536)]
 """(out, in): a single panel, a ragged last panel, K not a multiple of the K block, K over several blocks."""
@@ -24,7 +24,7 @@ BITS = {8: (-127, 127, packed.pack_int8), 4: (-8, 7, packed.pack_int4)}
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel() -> None:
-    packed.load()
+    library.load()
 
 
 def _quantized(out: int, inp: int, bits: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,8 +192,8 @@ def test_the_shape_function_matches_the_kernel() -> None:
 
 _CONTRACT = """
 import torch
-from optimum.neuron.kernels import packed
-packed.load()
+from optimum.neuron.kernels import library, packed
+library.load()
 torch.manual_seed(4)
 for pack_q, low, high in ((packed.pack_int8, -127, 127), (packed.pack_int4, -8, 7)):
     for n, k, group in ((100, 200, 40), (49, 160, 32), (16, 8, 8)):

@@ -16,8 +16,8 @@ read, the same numbers as the dequantized fp32 weight.
 
 The operators' schemas and their shape functions are defined here (what ``torch.export`` and AOTInductor need: a
 compiled graph calls the operator by name through the dispatcher); their CPU implementation is the toolkit's small C++
-library (`kernels.library`), compiled on first use into the cache (`load`: ~20 s, then a cache hit) and loaded before
-any graph runs.
+library (`kernels.library`), compiled on first use into the cache (`library.load`: ~20 s, then a cache hit) and loaded
+before any graph runs.
 """
 
 from __future__ import annotations
@@ -25,9 +25,6 @@ from __future__ import annotations
 import torch
 
 from ..quantization import pack_nibbles, unpack_nibbles
-from .library import load
-
-__all__ = ["load"]
 
 PANEL = 16
 """Output columns per panel."""
