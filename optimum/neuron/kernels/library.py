@@ -16,6 +16,8 @@ from ..errors import BackendUnavailableError
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "packed_linear.cpp", CSRC / "paged_attention.cpp")
 """Every C++ source of the library: all are compiled together and all enter the build key."""
+HEADERS = (CSRC / "isa.h",)
+"""The headers the sources include: they enter the build key too."""
 _FLAGS = ("-O3", "-fopenmp")
 """``-fopenmp``: ``at::parallel_for`` is inlined from ATen's OpenMP header into the kernels, and without the flag its
 ``#pragma omp parallel`` is ignored: a kernel then ran on one thread whatever torch's thread count."""
@@ -56,9 +58,9 @@ def load() -> None:
 
 
 def _build_key() -> str:
-    """What the compiled library depends on: its sources, torch's version and the flags."""
+    """What the compiled library depends on: its sources and headers, torch's version and the flags."""
     payload = (
-        b"".join(source.read_bytes() for source in SOURCES)
+        b"".join(source.read_bytes() for source in SOURCES + HEADERS)
         + torch.__version__.encode()
         + " ".join(_FLAGS + _LDFLAGS).encode()
     )

@@ -37,6 +37,8 @@
 #include <cstring>
 #include <vector>
 
+#include "isa.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define OPTIMUM_NEURON_X86 1
@@ -50,8 +52,6 @@ constexpr int64_t kBlockK = 64;    // K steps per block
 constexpr int64_t kMaxRows = 6;    // rows per tile
 constexpr int64_t kMaxPanels = 4;  // panels per tile
 constexpr int64_t kLine = 64;      // bytes per cache line (one prefetch)
-
-enum class Isa { kPortable, kAvx2, kAvx512 };
 
 // What a panel holds: fp32 weights, or int8 / int4 weights with fp32 scales (packed_qlinear).
 enum class Kind { kF32, kI8, kI4 };
@@ -289,24 +289,6 @@ void tile_portable(const Tile& t) {
 }
 
 using TileFn = void (*)(const Tile&);
-
-// The best path this CPU has, lowered by OPTIMUM_NEURON_PACKED_ISA (avx2, portable); read once.
-Isa detect_isa() {
-  const char* asked = std::getenv("OPTIMUM_NEURON_PACKED_ISA");
-  const bool portable_only = asked != nullptr && std::strcmp(asked, "portable") == 0;
-  const bool no_avx512 = portable_only || (asked != nullptr && std::strcmp(asked, "avx2") == 0);
-#ifdef OPTIMUM_NEURON_X86
-  if (!no_avx512 && __builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-  if (!portable_only && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-#endif
-  (void)no_avx512;
-  return Isa::kPortable;
-}
-
-Isa isa() {
-  static const Isa found = detect_isa();
-  return found;
-}
 
 // Vector registers a tile may hold as accumulators (the rest: the panels' weights and the broadcast), and how many
 // one row of one panel takes.

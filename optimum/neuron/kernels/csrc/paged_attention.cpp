@@ -14,7 +14,7 @@
 // Tasks are split over threads. A row whose mask attends no key gets zeros.
 //
 // Instruction sets. AVX2 + FMA where the CPU has it (8-wide dot products, value sums and exp), else portable C++;
-// OPTIMUM_NEURON_PACKED_ISA=portable (read once, shared with packed_linear) picks the portable path.
+// OPTIMUM_NEURON_PACKED_ISA=portable picks the portable path (`isa.h`, shared with packed_linear).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -22,10 +22,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <vector>
+
+#include "isa.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -34,19 +34,6 @@
 
 namespace optimum_neuron {
 namespace {
-
-bool use_avx2() {
-#ifdef OPTIMUM_NEURON_X86
-  static const bool found = [] {
-    const char* asked = std::getenv("OPTIMUM_NEURON_PACKED_ISA");
-    if (asked != nullptr && std::strcmp(asked, "portable") == 0) return false;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return found;
-#else
-  return false;
-#endif
-}
 
 // One task's view of the call: the group of query heads of one row that share a KV head.
 struct Task {
@@ -167,7 +154,7 @@ void run_task(const Task& t) {
     return;
   }
 #ifdef OPTIMUM_NEURON_X86
-  if (use_avx2()) return task_avx2(t);
+  if (isa() != Isa::kPortable) return task_avx2(t);  // an AVX-512 CPU has AVX2 + FMA
 #endif
   task_portable(t);
 }
