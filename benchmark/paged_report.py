@@ -8,10 +8,6 @@ from pathlib import Path
 from typing import Any
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def _runs(values: list[float]) -> str:
     return " / ".join(f"{v:.1f}" for v in values)
 
@@ -35,8 +31,8 @@ def price_lines(price: dict[str, Any], baseline: str) -> list[str]:
     ]
     for context, attention in price["attention_ms"].items():
         paged, slot = price["runs"][f"paged@{context}"], price["runs"][f"slot@{context}"]
-        ratio = _median(paged) / _median(slot)
-        share = 100 * attention / _median(paged)
+        ratio = statistics.median(paged) / statistics.median(slot)
+        share = 100 * attention / statistics.median(paged)
         gather = price["gather_ms"][context]
         lines.append(
             f"| {context} | {_runs(paged)} | {_runs(slot)} | **{ratio:.2f}x** | {attention:.1f} ({share:.0f} %) "
@@ -57,10 +53,10 @@ def serve_lines(title: str, intro: str, runs: dict[str, list[dict[str, Any]]], b
     ]
     reference = runs[base]
     for mode, results in runs.items():
-        ttft = _median([r["median_ttft_ms"] for r in results])
-        tokens = _median([r["output_throughput"] for r in results])
-        base_ttft = _median([r["median_ttft_ms"] for r in reference])
-        base_tokens = _median([r["output_throughput"] for r in reference])
+        ttft = statistics.median([r["median_ttft_ms"] for r in results])
+        tokens = statistics.median([r["output_throughput"] for r in results])
+        base_ttft = statistics.median([r["median_ttft_ms"] for r in reference])
+        base_tokens = statistics.median([r["output_throughput"] for r in reference])
         lines.append(
             f"| {mode} | {_runs([r['median_ttft_ms'] for r in results])} | {_runs([r['p90_ttft_ms'] for r in results])}"
             f" | {_runs([r['median_tpot_ms'] for r in results])} | {_runs([r['output_throughput'] for r in results])}"
