@@ -130,8 +130,8 @@ def decode(engine: Engine, seq_ids: list[Hashable], steps: int) -> None:
 
 def by_slot(cache: torch.Tensor) -> torch.Tensor:
     """A host copy of one K or V tensor of the paged cache as ``[slots, H, D]``, row ``s`` being slot ``s``."""
-    blocks, heads, block_size, dim = cache.shape
-    return cache.cpu().transpose(1, 2).reshape(blocks * block_size, heads, dim).clone()
+    slots = torch.arange(cache.shape[0] * cache.shape[2])
+    return slot_rows(cache.cpu(), slots)  # advanced indexing: a copy
 
 
 def sequence_slots(engine: Engine, seq_id: Hashable, first: int, last: int) -> torch.Tensor:
