@@ -20,10 +20,16 @@ from .version import __version__
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BACKENDS = ("inductor", "eager", "xla", "neuron")
+SYMBOLIC_SHAPE_BACKENDS = ("eager", "inductor")
+"""Backends that compile the KV window and the chunk length as symbolic dimensions (one graph serves every window
+and chunk bucket); the others (xla, neuron: static shapes) compile one graph per window and bucket."""
 DEVICES = ("cpu", "cuda", "neuron")
 CONFIG_FILE = "neuron_config.json"
 AUTO_FIRST_WINDOW = 256
 """The smallest KV window of ``kv_buckets="auto"`` (unless the chunk is larger)."""
+SMALLEST_CHUNK_BUCKET = 4
+"""The shortest chunk-length bucket (`chunk_buckets`): ``auto`` halves the chunk down to it, a list may not go below
+it (a symbolic chunk dimension is traced for lengths of at least 3 tokens)."""
 AUTO_BLOCK_SIZES = (32, 16, 8, 4, 2, 1)
 """``kv_block_size=0`` picks the largest of these that divides the sequence length and every KV window."""
 LINEAR_KERNELS = ("auto", "packed", "aten")
@@ -84,6 +90,15 @@ class NeuronConfig:
     ``sequence_length``; or increasing sizes ``W1,W2,...`` (``sequence_length`` is always added). Backends with
     static shapes (xla, neuron) compile one graph per window; inductor and eager compile the window as one symbolic
     dimension, so windows cost no export time there."""
+    chunk_buckets: str = "auto"
+    """Chunk-length buckets: the lengths a chunked-prefill call may run at, the engine padding each chunk to the
+    shortest that holds its real tokens, so a short chunk (the tail of a prompt whose start the prefix cache holds, a
+    short prompt, a piece vLLM's token budget leaves) costs what its tokens need instead of ``prefill_chunk_size``.
+    ``auto``: on inductor and eager, ``prefill_chunk_size`` halved while the half is whole and at least 4 (256: 4, 8,
+    ..., 128, 256), compiled as one symbolic dimension, so buckets cost no export time; on xla and neuron (static
+    shapes: one graph per bucket and KV window), ``prefill_chunk_size`` alone. ``none``: ``prefill_chunk_size``
+    alone; or increasing lengths ``L1,L2,...`` of at least 4 (``prefill_chunk_size`` is always added). Context
+    encoding (``prefill_chunk_size`` 0) has no buckets."""
     kv_block_size: int = 0
     """Positions per block of the paged KV cache: the unit vLLM's KV cache manager (or, under ``generate()``, the
     engine's own allocator) hands a sequence, and the unit prefix caching reuses. It must divide ``sequence_length``
@@ -150,6 +165,7 @@ class NeuronConfig:
             _check_weight_format,
             _check_sampling,
             _check_buckets,
+            _check_chunk_buckets,
             _check_kv_cache,
             _check_images,
         ):
@@ -175,6 +191,24 @@ class NeuronConfig:
             return (*windows, seq)
         sizes = tuple(int(part) for part in spec.split(","))
         return sizes if sizes[-1] == seq else (*sizes, seq)
+
+    @property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """The chunk lengths `chunk_buckets` names, increasing, the last one ``prefill_chunk_size``; none for context
+        encoding (the one rule that resolves ``auto`` / ``none`` / a list)."""
+        chunk, spec = self.prefill_chunk_size, self.chunk_buckets.strip().lower()
+        if not chunk:
+            return ()
+        if spec == "none" or (spec == "auto" and self.backend not in SYMBOLIC_SHAPE_BACKENDS):
+            return (chunk,)
+        if spec == "auto":
+            sizes, size = [chunk], chunk
+            while size % 2 == 0 and size // 2 >= SMALLEST_CHUNK_BUCKET:
+                size //= 2
+                sizes.insert(0, size)
+            return tuple(sizes)
+        sizes = [int(part) for part in spec.split(",")]
+        return (*sizes, chunk) if sizes[-1] != chunk else tuple(sizes)
 
     @property
     def block_size(self) -> int:
@@ -434,6 +468,33 @@ def _check_buckets(config: NeuronConfig) -> None:
         raise IncompatibleConfigError(
             f"kv_buckets={spec!r}: every window must lie between {smallest} (the prefill chunk, at least 2) and "
             f"sequence_length={config.sequence_length}: {fix}"
+        )
+
+
+def _check_chunk_buckets(config: NeuronConfig) -> None:
+    """`chunk_buckets` must be ``auto``, ``none`` or increasing lengths in ``[4, prefill_chunk_size]``, and a list needs
+    a chunked-prefill artifact."""
+    spec, chunk = config.chunk_buckets, config.prefill_chunk_size
+    fix = f"pass {flag('chunk_buckets')} auto, none, or increasing lengths such as 64,128 (the chunk size is added)."
+    if not isinstance(spec, str):
+        raise IncompatibleConfigError(f"chunk_buckets must be a string, got {spec!r}: {fix}")
+    if spec.strip().lower() in ("auto", "none"):
+        return
+    try:
+        sizes = [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise IncompatibleConfigError(f"chunk_buckets={spec!r} is not auto, none or a list of lengths: {fix}") from None
+    if not chunk:
+        raise IncompatibleConfigError(
+            f"chunk_buckets={spec!r} needs chunked prefill: context encoding runs the whole sequence length in one "
+            f"call; pass {flag('prefill_chunk_size')} C, or leave {flag('chunk_buckets')} at auto."
+        )
+    if any(b <= a for a, b in itertools.pairwise(sizes)):
+        raise IncompatibleConfigError(f"chunk_buckets={spec!r} must be strictly increasing: {fix}")
+    if sizes[0] < SMALLEST_CHUNK_BUCKET or sizes[-1] > chunk:
+        raise IncompatibleConfigError(
+            f"chunk_buckets={spec!r}: every length must lie between {SMALLEST_CHUNK_BUCKET} and prefill_chunk_size="
+            f"{chunk}: {fix}"
         )
 
 

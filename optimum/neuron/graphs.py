@@ -9,12 +9,11 @@ import dataclasses
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from .config import NeuronConfig
+from .config import SYMBOLIC_SHAPE_BACKENDS, NeuronConfig
 
 
 class GraphKind(str, enum.Enum):
@@ -66,17 +65,26 @@ class GraphSpec:
     block_size: int = 1
     """Positions per block of the paged KV cache: a graph reading the cache in window ``W`` takes a block table of
     ``W / block_size`` columns."""
+    chunks: tuple[int, ...] = ()
+    """Chunked prefill: the chunk lengths (chunk-length buckets) the graph runs at, ``tokens`` being the longest: one
+    for a graph compiled per length, several for a graph whose token columns are a symbolic dimension; none for the
+    other kinds (their ``tokens`` is fixed)."""
+    chunk_size: int = 0
+    """Chunked prefill: the artifact's ``prefill_chunk_size``, the length that needs no suffix in the name."""
 
     @property
     def name(self) -> str:
         """The graph's name in its artifact (file name, manifest key, engine table, logs): the kind, then what a
         variant returns (``_all_rows``: every row's logits; ``_logits``: token generation returning logits), then
+        ``_c<L>`` for a chunked-prefill graph compiled for one chunk length ``L`` shorter than the chunk size, and
         ``_w<W>`` for a graph compiled for one window ``W`` smaller than the sequence length."""
         name = self.kind.value
         if self.all_rows:
             name += "_all_rows"
         elif self.kind is GraphKind.TOKEN_GENERATION and not self.samples_on_device:
             name += "_logits"
+        if len(self.chunks) == 1 and self.chunks[0] != self.chunk_size:
+            name += f"_c{self.chunks[0]}"
         if len(self.windows) == 1 and self.windows[0] != self.sequence_length:
             name += f"_w{self.windows[0]}"
         return name
@@ -86,26 +94,26 @@ class GraphSpec:
         """True when one compiled graph serves several windows (the window is a symbolic dimension)."""
         return len(self.windows) > 1
 
-
-SYMBOLIC_WINDOW_BACKENDS = ("eager", "inductor")
-"""Backends that compile the KV window as a symbolic dimension (one graph serves every window); the others
-(xla, neuron: static shapes) compile one graph per window."""
+    @property
+    def symbolic_chunk(self) -> bool:
+        """True when one compiled graph serves several chunk lengths (the token columns are a symbolic dimension)."""
+        return len(self.chunks) > 1
 
 
 def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
     """Every graph of an artifact built from ``config``, prefill first: the prefill graph (and its all-rows
     variant with ``prompt_logprobs``), the token-generation graph (and, when it samples on device, its
-    logits-returning variant with ``decode_logits``); each once per KV window on a static-shape backend (the
-    logits variants, run only for requests that ask for logits, in the full window only)."""
+    logits-returning variant with ``decode_logits``); on a static-shape backend each once per KV window and chunk
+    bucket (the variants run only for requests that ask for logits: in the full window and chunk only)."""
     prefill = dataclasses.replace(graph_spec(config, prefill_kind(config)), images=config.image_tiles > 0)
     token_generation = graph_spec(config, GraphKind.TOKEN_GENERATION)
-    specs = [*_per_window(prefill, config)]
+    specs = [*_as_compiled(prefill, config)]
     if config.prompt_logprobs:
-        specs.extend(_per_window(dataclasses.replace(prefill, all_rows=True), config, full_only=True))
-    specs.extend(_per_window(token_generation, config))
+        specs.extend(_as_compiled(dataclasses.replace(prefill, all_rows=True), config, full_only=True))
+    specs.extend(_as_compiled(token_generation, config))
     if token_generation.samples_on_device and config.decode_logits:
         logits = dataclasses.replace(token_generation, samples_on_device=False)
-        specs.extend(_per_window(logits, config, full_only=True))
+        specs.extend(_as_compiled(logits, config, full_only=True))
     if config.image_tiles:
         specs.append(GraphSpec(GraphKind.VISION_ENCODER, config.image_tiles, 0, False, image_size=config.image_size))
     return tuple(specs)
@@ -114,6 +122,7 @@ def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
 SPEC_FIELDS = (
     "prefill_chunk_size",
     "kv_buckets",
+    "chunk_buckets",
     "on_device_sampling",
     "decode_logits",
     "prompt_logprobs",
@@ -133,32 +142,55 @@ def graph_fields(config: NeuronConfig) -> dict[str, object]:
     return {name: value for name, value in config.compile_fields().items() if name not in SPEC_FIELDS}
 
 
-def _per_window(spec: GraphSpec, config: NeuronConfig, full_only: bool = False) -> list[GraphSpec]:
-    """``spec`` as compiled: one graph for all windows (symbolic-window backends, or a graph reading no earlier
-    cache), else one graph per window (only the full one with ``full_only``)."""
-    if not spec.windows or config.backend in SYMBOLIC_WINDOW_BACKENDS:
+def _as_compiled(spec: GraphSpec, config: NeuronConfig, full_only: bool = False) -> list[GraphSpec]:
+    """``spec`` as compiled: one graph for all windows and chunk lengths on a symbolic-shape backend, else one graph
+    per window and chunk length (only the full ones with ``full_only``)."""
+    if config.backend in SYMBOLIC_SHAPE_BACKENDS:
         return [spec]
-    windows = spec.windows[-1:] if full_only else spec.windows
-    return [dataclasses.replace(spec, windows=(w,)) for w in windows]
+    windows: list[tuple[int, ...]] = [(w,) for w in (spec.windows[-1:] if full_only else spec.windows)] or [()]
+    chunks: list[tuple[int, ...]] = [(c,) for c in (spec.chunks[-1:] if full_only else spec.chunks)] or [()]
+    replace = dataclasses.replace
+    return [replace(spec, windows=w, chunks=c, tokens=c[0] if c else spec.tokens) for c in chunks for w in windows]
+
+
+class GraphCall(NamedTuple):
+    """How one call runs: the graph, the KV window it reads (0 for a graph reading no earlier cache) and the token
+    columns its inputs are padded to (a chunk-length bucket for chunked prefill, the graph's fixed ``tokens`` for the
+    other kinds)."""
+
+    spec: GraphSpec
+    window: int
+    tokens: int
 
 
 def select_graph(
-    specs: Iterable[GraphSpec], kind: GraphKind, *, logits: bool = False, all_rows: bool = False, reach: int = 0
-) -> tuple[GraphSpec, int] | None:
-    """The graph of ``kind`` among ``specs`` that serves a call reading cache positions ``[0, reach)``, and the
-    window to run it in (the smallest that covers ``reach``; 0 for a graph reading no earlier cache); None when
-    there is none. With ``all_rows`` the prefill graph returning every row's logits; with ``logits`` a
-    token-generation graph returning logits; otherwise the default graph (for token generation, the one sampling on
-    device when there is one)."""
+    specs: Iterable[GraphSpec],
+    kind: GraphKind,
+    *,
+    logits: bool = False,
+    all_rows: bool = False,
+    reach: int = 0,
+    tokens: int = 0,
+) -> GraphCall | None:
+    """The graph of ``kind`` among ``specs`` that serves a call reading cache positions ``[0, reach)`` with ``tokens``
+    real tokens per row, the window to run it in (the smallest that covers ``reach``) and the columns to pad to (the
+    shortest chunk bucket that holds ``tokens``); None when there is none. With ``all_rows`` the prefill graph
+    returning every row's logits; with ``logits`` a token-generation graph returning logits; otherwise the default
+    graph (for token generation, the one sampling on device when there is one)."""
     found = [s for s in specs if s.kind is kind and s.all_rows == all_rows and not (logits and s.samples_on_device)]
     if not found:
         return None
     best = max(s.samples_on_device for s in found)
-    options = [(w, s) for s in found if s.samples_on_device == best for w in s.windows or (0,) if w >= reach]
-    if not options:
-        return None
-    window, spec = min(options, key=lambda option: option[0])
-    return spec, window
+    options = [
+        GraphCall(s, w, c)
+        for s in found
+        if s.samples_on_device == best
+        for w in s.windows or (0,)
+        if w >= reach
+        for c in s.chunks or (s.tokens,)
+        if c >= tokens
+    ]
+    return min(options, key=lambda call: (call.window, call.tokens)) if options else None
 
 
 def graph_kinds(config: NeuronConfig) -> tuple[GraphKind, ...]:
@@ -173,12 +205,13 @@ def prefill_kind(config: NeuronConfig) -> GraphKind:
 
 
 def graph_spec(config: NeuronConfig, kind: GraphKind) -> GraphSpec:
-    """The signature of graph ``kind`` under ``config``, serving every KV window of the artifact."""
+    """The signature of graph ``kind`` under ``config``, serving every KV window (and chunk length) of the artifact."""
     seq, windows, block = config.sequence_length, config.kv_windows, config.block_size
     if kind is GraphKind.TOKEN_GENERATION:
         return GraphSpec(kind, config.batch_size, 1, config.on_device_sampling, False, windows, seq, block_size=block)
     if kind is GraphKind.CHUNKED_PREFILL:
-        return GraphSpec(kind, 1, config.prefill_chunk_size, False, False, windows, seq, block_size=block)
+        chunks, chunk = config.chunk_sizes, config.prefill_chunk_size
+        return GraphSpec(kind, 1, chunk, False, False, windows, seq, block_size=block, chunks=chunks, chunk_size=chunk)
     return GraphSpec(kind, 1, seq, False, False, (), seq, block_size=block)
 
 
@@ -198,13 +231,19 @@ def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def window_dims(spec: GraphSpec) -> dict[str, object] | None:
+def symbolic_dims(spec: GraphSpec) -> dict[str, object] | None:
     """`torch.export` dynamic shapes of graph ``spec``'s per-call inputs by name: the window (the columns of
-    ``block_table``, whole blocks) is symbolic when the graph serves several; None when every shape is static."""
-    if not spec.symbolic_window:
-        return None
-    low, high = (min(spec.windows) // spec.block_size, max(spec.windows) // spec.block_size)
-    return {"block_table": {1: torch.export.Dim("kv_blocks", min=low, max=high)}}
+    ``block_table``, whole blocks) when the graph serves several, the token columns of a chunk (and of its image rows)
+    when it serves several chunk lengths; None when every shape is static."""
+    dims: dict[str, object] = {}
+    if spec.symbolic_window:
+        low, high = (min(spec.windows) // spec.block_size, max(spec.windows) // spec.block_size)
+        dims["block_table"] = {1: torch.export.Dim("kv_blocks", min=low, max=high)}
+    if spec.symbolic_chunk:
+        chunk = torch.export.Dim("chunk", min=min(spec.chunks), max=max(spec.chunks))
+        names = ("input_ids", "position_ids", "slot_mapping") + (("image_embeds", "image_mask") if spec.images else ())
+        dims.update({name: {1: chunk} for name in names})
+    return dims or None
 
 
 def image_row_inputs(spec: GraphSpec, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

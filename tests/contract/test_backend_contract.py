@@ -1,7 +1,8 @@
 """The backend contract: every backend (eager, inductor, xla) passes the same tests (DESIGN.md §3, §8).
 
-* 1 — static shapes: every call of a graph has the one signature of its `GraphSpec`, whatever the
-  prompt length or the set of decoding slots; xla compiles each graph at most once per process.
+* 1 — static shapes: every call of a graph has the one signature of its `GraphSpec` in one of its KV windows and
+  chunk buckets (the smallest window covering what it reads, the shortest bucket holding its real tokens), whatever
+  the prompt length or the set of decoding slots; xla compiles each graph at most once per process.
 * 2 — one KV cache: every graph receives the engine's own tensors and updates them in place, at the rows of its
   sequences' blocks (and the scratch block) only; no graph holds a cache of its own; a sequence whose blocks are
   scattered over the pool generates what it generates in contiguous ones; prompts of 1, b - 1, b, b + 1 and 2b + 1
@@ -27,6 +28,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -110,15 +112,21 @@ def test_graphs_are_called_with_their_static_shapes_only(backend: str) -> None:
     for work in ({3: 1}, {4: 1}, {3: 1, 4: 1}):  # one token-generation call each
         engine.step(work)
     assert {s.kind for s in engine.specs.values()} == {GraphKind.CHUNKED_PREFILL, GraphKind.TOKEN_GENERATION}
+    buckets = engine.config.chunk_sizes
+    assert buckets == ((CHUNK,) if backend == "xla" else (CHUNK // 2, CHUNK)), "auto chunk buckets"
     for name, args in recorder.calls:
-        spec, window = engine.specs[name], call_window(args, engine.block_size)
+        spec, window, tokens = engine.specs[name], call_window(args, engine.block_size), int(args[0].shape[1])
         assert window in spec.windows, f"{name} was called in window {window}, not one of {spec.windows}"
+        assert tokens in (spec.chunks or (spec.tokens,)), f"{name} was called with {tokens} tokens per row"
         table = torch.zeros(spec.batch, window // spec.block_size, dtype=torch.long)
-        inputs = {**example_inputs(spec), "block_table": table}
+        inputs = {**example_inputs(dataclasses.replace(spec, tokens=tokens)), "block_table": table}
         expected = tuple(
             (tuple(t.shape), t.dtype) for t in flat_tensors(graph_args(spec.kind, inputs, engine.kv_cache))
         )
         assert recorder.signature(args) == expected, f"{name} was called with other shapes than its spec"
+    real = [1, CHUNK - 1, CHUNK, CHUNK, 1, CHUNK, CHUNK, 1]  # real tokens of each chunk call
+    chunks = [int(args[0].shape[1]) for name, args in recorder.calls if engine.specs[name].kind.is_prefill]
+    assert chunks == [min(c for c in buckets if c >= n) for n in real], "not the shortest chunk bucket"
     small, full = WINDOWS
     kinds = [(engine.specs[name].kind, window) for name, window in recorder.windows()]
     # every chunk starts at or below position 16 (reads [0, 16)); decodes at positions 9, 17, and {10, 18}

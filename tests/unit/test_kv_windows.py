@@ -7,7 +7,7 @@ import pytest
 
 from optimum.neuron.config import NeuronConfig
 from optimum.neuron.errors import IncompatibleConfigError
-from optimum.neuron.graphs import GraphKind, graph_specs, select_graph, window_dims
+from optimum.neuron.graphs import GraphKind, graph_specs, select_graph, symbolic_dims
 
 
 @pytest.mark.parametrize(
@@ -48,9 +48,9 @@ def test_symbolic_window_backends_compile_each_graph_once() -> None:
     specs = graph_specs(config)
     assert [s.name for s in specs] == ["chunked_prefill", "token_generation", "token_generation_logits"]
     assert all(s.windows == (16, 32) and s.symbolic_window for s in specs)
-    assert all(window_dims(s) is not None for s in specs)
-    single = graph_specs(config.derive(kv_buckets="none"))
-    assert all(window_dims(s) is None for s in single), "one window needs no symbolic dimension"
+    assert all(symbolic_dims(s) is not None for s in specs)
+    single = graph_specs(config.derive(kv_buckets="none", chunk_buckets="none"))
+    assert all(symbolic_dims(s) is None for s in single), "one window and one chunk length need no symbolic dimension"
 
 
 def test_static_backends_compile_one_graph_per_window() -> None:
@@ -88,7 +88,7 @@ def test_the_smallest_covering_window_is_chosen(backend: str, kind: GraphKind, r
     specs = graph_specs(NeuronConfig(sequence_length=32, prefill_chunk_size=8, kv_buckets="16", backend=backend))
     found = select_graph(specs, kind, reach=reach)
     assert found is not None
-    spec, chosen = found
+    spec, chosen, _ = found
     assert chosen == window and window in spec.windows
     assert select_graph(specs, kind, reach=33) is None, "nothing reads past the sequence length"
 

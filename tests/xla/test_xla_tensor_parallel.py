@@ -21,7 +21,7 @@ from optimum.neuron.backends.xla import XlaBackend
 from optimum.neuron.backends.xla_graph import ParameterMap
 from optimum.neuron.config import NeuronConfig
 from optimum.neuron.errors import IncompatibleConfigError
-from optimum.neuron.graphs import example_inputs, graph_args, graph_specs, window_dims
+from optimum.neuron.graphs import example_inputs, graph_args, graph_specs, symbolic_dims
 from optimum.neuron.models.base import graph_module
 from tests.fixtures.llm.models import tiny_model
 
@@ -57,7 +57,7 @@ def test_rank_graph_hlo_holds_the_all_reduces(tmp_path: Path) -> None:
             inputs = {k: v.to(device) for k, v in example_inputs(spec).items()}
             path = tmp_path / f"{spec.name}.xla.json"
             args = graph_args(spec.kind, inputs, cache)
-            backend.compile(graph_module(decoder, spec).eval(), args, path, window_dims(spec))
+            backend.compile(graph_module(decoder, spec).eval(), args, path, symbolic_dims(spec))
             text = xla_compat.hlo_text((tmp_path / f"{spec.name}.hlo.pb").read_bytes())
             found = ALL_REDUCE.findall(text)
             # one after each o_proj and each down_proj, of the hidden states [rows, tokens, hidden]

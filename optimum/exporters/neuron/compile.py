@@ -29,7 +29,7 @@ from ...neuron.backends import get_backend
 from ...neuron.backends.base import Backend
 from ...neuron.config import NeuronConfig
 from ...neuron.errors import ExportError, UnsupportedModelError
-from ...neuron.graphs import GraphSpec, example_inputs, graph_args, image_row_inputs, window_dims
+from ...neuron.graphs import GraphSpec, example_inputs, graph_args, image_row_inputs, symbolic_dims
 from ...neuron.models.base import StaticDecoder, graph_module
 from ...neuron.models.registry import language_config, served_config, supported_model_types
 from ...neuron.prequantized import check_served_config, stored_weights
@@ -117,7 +117,7 @@ class GraphBuilder:
             inputs.update(image_row_inputs(spec, hidden, self.config.torch_dtype))
         args = graph_args(spec.kind, {k: v.to(self.device) for k, v in inputs.items()}, self.kv_cache)
         module = graph_module(self.decoder, spec).eval()
-        self.backend.compile(module, args, folder / graph_file_name(spec, self.backend), window_dims(spec))
+        self.backend.compile(module, args, folder / graph_file_name(spec, self.backend), symbolic_dims(spec))
         return time.perf_counter() - start
 
 

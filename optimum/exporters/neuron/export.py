@@ -230,7 +230,8 @@ def _shape(spec: GraphSpec) -> str:
     if spec.image_size:
         return f"[{spec.batch}, 3, {spec.image_size}, {spec.image_size}]"
     windows = ", ".join(map(str, spec.windows))
-    return f"[{spec.batch}, {spec.tokens}]" + (f" KV windows {windows}" if spec.windows else "")
+    tokens = f"{spec.chunks[0]}..{spec.tokens}" if spec.symbolic_chunk else str(spec.tokens)
+    return f"[{spec.batch}, {tokens}]" + (f" KV windows {windows}" if spec.windows else "")
 
 
 def _copy_hf_files(model_dir: Path, out: Path, hf_config: Any) -> None:

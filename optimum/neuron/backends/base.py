@@ -48,8 +48,8 @@ class Backend(ABC):
     @abstractmethod
     def compile(self, module: nn.Module, args: tuple, path: Path, dynamic: dict[str, Any] | None = None) -> None:
         """Trace/compile ``module`` for the example ``args`` and write the graph to ``path``. ``dynamic`` names the
-        forward arguments with a symbolic dimension (`graphs.window_dims`: the KV window); only backends in
-        `graphs.SYMBOLIC_WINDOW_BACKENDS` receive one."""
+        forward arguments with a symbolic dimension (`graphs.symbolic_dims`: the KV window, the chunk length); only
+        backends in `config.SYMBOLIC_SHAPE_BACKENDS` receive one."""
 
     @abstractmethod
     def load(self, path: Path, weights: dict[str, torch.Tensor], factory: GraphFactory) -> LoadedGraph:

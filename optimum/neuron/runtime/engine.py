@@ -28,7 +28,7 @@ import torch
 from ..artifact import Artifact, allocate_cache, assemble
 from ..backends import get_backend
 from ..errors import InputError
-from ..graphs import GraphKind, GraphSpec, graph_args, graph_specs, prefill_kind, select_graph
+from ..graphs import GraphCall, GraphKind, GraphSpec, graph_args, graph_specs, prefill_kind, select_graph
 from ..models.base import StaticDecoder, graph_module
 from ..models.layers.masks import actual_tokens_mask
 from ..models.registry import language_config
@@ -43,8 +43,6 @@ from .sampling import HostSampler, SamplingParams, SequenceSampler, sample_on_ho
 from .sequence import Checkpoint, SeqId, Sequence, StepResult
 from .slots import SlotTable
 
-GraphCall = tuple[GraphSpec, int]
-"""A graph and the KV window a call runs it in (`graphs.select_graph`)."""
 HostRows = dict[int, tuple[Sequence, torch.Tensor]]
 """Slot -> (sequence, logits row) of the tokens a `HostSampler` picks at the end of a step."""
 
@@ -91,12 +89,14 @@ class Engine:
             self._decoder = assemble(self.model_config, self.config, self.weights)
         return graph_module(self._decoder, spec).eval()
 
-    def _graph(self, kind: GraphKind, reach: int, *, logits: bool = False, all_rows: bool = False) -> GraphCall:
-        """The graph of ``kind`` that runs a call reading cache positions ``[0, reach)``, and its KV window
-        (`graphs.select_graph`): ``logits`` for a token-generation graph returning logits, ``all_rows`` for a
-        prefill graph returning every row's logits (`admit` refused the sequences that need a graph the artifact
-        lacks; the full window covers every position)."""
-        found = select_graph(self.specs.values(), kind, logits=logits, all_rows=all_rows, reach=reach)
+    def _graph(
+        self, kind: GraphKind, reach: int, *, logits: bool = False, all_rows: bool = False, tokens: int = 0
+    ) -> GraphCall:
+        """The graph of ``kind`` that runs a call reading cache positions ``[0, reach)`` with ``tokens`` real tokens
+        per row, its KV window and its padded columns (`graphs.select_graph`): ``logits`` for a token-generation graph
+        returning logits, ``all_rows`` for a prefill graph returning every row's logits (`admit` refused the
+        sequences that need a graph the artifact lacks; the full window and chunk cover every call)."""
+        found = select_graph(self.specs.values(), kind, logits=logits, all_rows=all_rows, reach=reach, tokens=tokens)
         assert found is not None, f"the artifact has no {kind.value} graph with logits={logits} all_rows={all_rows}"
         return found
 
@@ -107,7 +107,8 @@ class Engine:
 
     @property
     def chunk_size(self) -> int:
-        """Tokens per prefill call: the chunk size, or the whole sequence length for context encoding."""
+        """The most tokens one prefill call takes: the chunk size, or the whole sequence length for context encoding
+        (a call pads its real tokens to the shortest chunk bucket that holds them: `graphs.select_graph`)."""
         return self.config.prefill_chunk_size or self.config.sequence_length
 
     # --- sequence lifetime ----------------------------------------------------------------------
@@ -295,7 +296,7 @@ class Engine:
         rows = [by_slot[slot].sampler if slot in ours else None for slot in range(self.config.batch_size)]
         reach = max(s.computed for s in decodes) + 1  # each row reads up to its own new position
         logits_graph = any(s.sampler.params.needs_logits for s in decodes)
-        spec, window = self._graph(GraphKind.TOKEN_GENERATION, reach, logits=logits_graph)
+        spec, window, _ = self._graph(GraphKind.TOKEN_GENERATION, reach, logits=logits_graph)
         active = {slot: DecodeRow(s.tokens[-1], s.computed, s.blocks) for slot, s in by_slot.items()}
         inputs = decode_rows(self.config.batch_size, active, window // self.block_size, self.block_size)
         if spec.samples_on_device:
@@ -342,20 +343,24 @@ class Engine:
         """One prefill-graph call on up to one chunk of real tokens of ``sequence``: the last real token's logits
         ``[1, V]``, or with ``all_rows`` those of every real row ``[n, V]`` (the actual-tokens mask drops the padded
         ones). An image-text artifact's call also takes the chunk's image rows."""
-        ids, positions = pad_chunk(token_ids, start, self.chunk_size)
-        slots = chunk_slots(sequence.blocks, start, len(token_ids), self.chunk_size, self.block_size)
+        count = len(token_ids)  # the call reads positions [0, start), its own K/V come from the chunk
+        spec, window, size = self._graph(self.prefill_kind, start, all_rows=all_rows, tokens=count)
+        ids, positions = pad_chunk(token_ids, start, size)
+        slots = chunk_slots(sequence.blocks, start, count, size, self.block_size)
         inputs = {"input_ids": ids, "position_ids": positions, "slot_mapping": slots}
         if sequence.images is not None:
-            inputs.update(self._image_rows(sequence, start, len(token_ids), result))
-        spec, window = self._graph(self.prefill_kind, start, all_rows=all_rows)  # it reads positions [0, start)
+            inputs.update(self._image_rows(sequence, start, count, size, result))
         if window:
             inputs["block_table"] = table_rows([sequence.blocks], window // self.block_size)
         out = self._call(spec, inputs).float().cpu()
         return out[actual_tokens_mask(positions)[0]] if all_rows else out
 
-    def _image_rows(self, sequence: Sequence, start: int, count: int, result: StepResult) -> dict[str, torch.Tensor]:
+    def _image_rows(
+        self, sequence: Sequence, start: int, count: int, size: int, result: StepResult
+    ) -> dict[str, torch.Tensor]:
         """The image inputs of ``sequence``'s chunk of ``count`` real tokens at ``start`` (images it intersects are
-        encoded first if not cached, `SequenceImages.chunk_rows`), padded to the chunk (`padding.pad_image_rows`)."""
+        encoded first if not cached, `SequenceImages.chunk_rows`), padded to ``size`` columns
+        (`padding.pad_image_rows`)."""
         assert sequence.images is not None
         found = sequence.images.chunk_rows(start, count, self._encode)
         if found is None:
@@ -364,13 +369,13 @@ class Engine:
         else:
             encoded, rows, mask = found
             result.encoded.extend((sequence.seq_id, index) for index in encoded)
-        embeds, image_mask = pad_image_rows(rows, mask, self.chunk_size)
+        embeds, image_mask = pad_image_rows(rows, mask, size)
         return {"image_embeds": embeds, "image_mask": image_mask}
 
     def _encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """One image's rows ``[t * rows_per_tile, H]``: its tiles through the vision-encoder graph, in batches of the
         graph's tiles (`padding.pad_tiles`), the rows of filler tiles dropped."""
-        spec, _ = self._graph(GraphKind.VISION_ENCODER, 0)
+        spec, _, _ = self._graph(GraphKind.VISION_ENCODER, 0)
         batches = pad_tiles(pixels.to(self.config.torch_dtype), spec.batch)
         rows = torch.cat([self._call(spec, {"pixel_values": batch}) for batch in batches])
         return rows[: pixels.shape[0] * rows.shape[0] // (spec.batch * len(batches))]

@@ -62,7 +62,8 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         c = artifact.config
         logger.info(
             "optimum-neuronx serving %s (rank %d of %d): backend=%s device=%s graphs=%s batch_size=%d "
-            "sequence_length=%d prefill_chunk_size=%d kv_windows=%s kv_blocks=%d block_size=%d on_device_sampling=%s",
+            "sequence_length=%d prefill_chunk_size=%d chunk_buckets=%s kv_windows=%s kv_blocks=%d block_size=%d "
+            "on_device_sampling=%s",
             artifact.root,
             engine.rank,
             c.tp_degree,
@@ -72,6 +73,7 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
             c.batch_size,
             c.sequence_length,
             c.prefill_chunk_size,
+            list(c.chunk_sizes),
             list(c.kv_windows),
             c.kv_blocks,
             c.block_size,
