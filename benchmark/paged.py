@@ -1,7 +1,8 @@
 """Paged KV cache benchmark: what paging costs a decode step, what prefix caching buys a chat workload, what a pool
 smaller than the slots lets a larger batch serve (SmolLM2-135M-Instruct, fp32, inductor).
 
-    .venv/bin/python -m benchmark.paged [--quick] [--parts blocks price prefix fit] [--baseline COMMIT] [--machine NAME]
+    .venv/bin/python -m benchmark.paged [--quick] [--parts blocks price prefix chunks fit] [--baseline COMMIT]
+        [--machine NAME]
 
 * ``blocks``: per block size (8 to 128), the paged decode attention of a step (batch 8, window 2048, 30 layers) and
   a prefill chunk's gather of a 2048-position window, timed alone: what the default block size is chosen from.
@@ -12,6 +13,9 @@ smaller than the slots lets a larger batch serve (SmolLM2-135M-Instruct, fp32, i
 * ``prefix``: ``vllm serve`` of the S 2048 artifact with prefix caching on and off (``--no-enable-prefix-caching``),
   driven by ``vllm bench serve --dataset-name prefix_repetition`` (a few 1,024-token prefixes, each request one of
   them + a 64-token suffix, 32 new tokens; 4 users): TTFT p50 / p90 and output tok/s.
+* ``chunks``: milliseconds of one prefill call holding the last 16, 64, 128 or 256 tokens of a prompt, after 1,024
+  prefilled ones (what a prefix-cache hit leaves to compute), on the S 2048 artifact with chunk-length buckets
+  (``--chunk_buckets auto``) and without (``none``: every call runs 256 columns), each in a fresh process.
 * ``fit``: 32 concurrent short chats (random 100 -> 100 tokens) on a batch-32 artifact (S 4096) whose pool is 8 x
   4096 tokens, against the batch-8 artifact of the same pool (vLLM admits by blocks): output tok/s.
 
@@ -39,6 +43,9 @@ BASELINE = "21479ae"
 """The last commit of main before the paged cache (slot layout: one row of S + 1 positions per slot)."""
 SEQUENCE_LENGTH, CHUNK, BATCH = 2048, 256, 8
 CONTEXTS = (64, 2000)
+PREFIX, TAILS = 1024, (16, 64, 128, 256)
+"""``chunks``: the prefilled prompt start, and the tails whose one prefill call is timed after it."""
+PARTS = ("blocks", "price", "prefix", "chunks", "fit")
 
 
 def _env(cache: Path | None = None) -> dict[str, str]:
@@ -148,14 +155,12 @@ def price(model_dir: str, baseline: Path, cache: Path, rounds: int, steps: int) 
     return {"runs": runs, "block_size": block, "attention_ms": attention, "gather_ms": gathers, "load": load}
 
 
-def export_artifact(model_dir: str, out: Path, **fields: Any) -> Path:
-    """Export SmolLM2 with ``fields`` (inductor, the export cache reused)."""
-    from optimum.exporters.neuron.export import export
+def export_artifact(model_dir: str, **fields: Any) -> Path:
+    """SmolLM2 exported with ``fields`` (inductor): its export cache entry, exported on first use."""
+    from optimum.exporters.neuron.export import cached_export
     from optimum.neuron.config import NeuronConfig
 
-    if not (out / "neuron_config.json").is_file():
-        export(model_dir, out, NeuronConfig(**fields))
-    return out
+    return cached_export(model_dir, NeuronConfig(**fields))
 
 
 def bench(artifact: Path, model_dir: str, flags: list[str], load: list[str], prompts: int) -> dict[str, Any]:
@@ -182,11 +187,9 @@ def bench(artifact: Path, model_dir: str, flags: list[str], load: list[str], pro
     return {key: data[key] for key in keys} | {"load": os.getloadavg()[0]}
 
 
-def prefix(model_dir: str, cache: Path, rounds: int, quick: bool) -> dict[str, Any]:
+def prefix(model_dir: str, rounds: int, quick: bool) -> dict[str, Any]:
     """Shared-prefix chat traffic with prefix caching on and off, interleaved rounds."""
-    artifact = export_artifact(
-        model_dir, cache / "paged-serve", batch_size=BATCH, sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=CHUNK
-    )
+    artifact = export_artifact(model_dir, batch_size=BATCH, sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=CHUNK)
     prompts = 16 if quick else 32
     load = [
         "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1024",
@@ -200,12 +203,53 @@ def prefix(model_dir: str, cache: Path, rounds: int, quick: bool) -> dict[str, A
     return runs
 
 
-def fit(model_dir: str, cache: Path, rounds: int, quick: bool) -> dict[str, Any]:
+def chunk_worker(artifact: str, repeats: int) -> dict[str, float]:
+    """Median ms of the prefill call holding each of `TAILS` last tokens of a prompt after `PREFIX` prefilled ones (a
+    fresh prompt each time, so nothing comes from the prefix cache), the first sample of a tail a warm-up."""
+    import torch
+
+    from optimum.neuron import NeuronModelForCausalLM
+    from optimum.neuron.runtime.sampling import SamplingParams
+
+    engine = NeuronModelForCausalLM.from_pretrained(artifact).engine
+    generator = torch.Generator().manual_seed(0)
+    result = {}
+    for tail in TAILS:
+        times = []
+        for _ in range(repeats + 1):
+            prompt = torch.randint(100, 40000, (PREFIX + tail,), generator=generator).tolist()
+            engine.admit("prompt", prompt, SamplingParams(), reuse=False)
+            engine.step({"prompt": PREFIX})
+            start = time.perf_counter()
+            engine.step({"prompt": tail})
+            times.append(time.perf_counter() - start)
+            engine.release("prompt")
+        result[str(tail)] = 1000 * statistics.median(times[1:])
+    return result
+
+
+def chunks(model_dir: str, rounds: int, quick: bool) -> dict[str, Any]:
+    """A prompt tail's prefill call with and without chunk-length buckets, interleaved rounds of fresh processes."""
+    shape = {"batch_size": BATCH, "sequence_length": SEQUENCE_LENGTH, "prefill_chunk_size": CHUNK}
+    artifacts = {name: export_artifact(model_dir, **shape, chunk_buckets=name) for name in ("auto", "none")}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in artifacts}
+    repeats = 3 if quick else 5
+    for _ in range(rounds):
+        for name, artifact in artifacts.items():
+            cmd = [sys.executable, "-m", "benchmark.paged", "--chunk-worker", str(artifact), "--repeats", str(repeats)]
+            done = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+            if done.returncode != 0:
+                raise RuntimeError(f"the chunk worker on {artifact} failed:\n{done.stderr[-3000:]}")
+            runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return {"runs": runs, "repeats": repeats, "load": os.getloadavg()[0]}
+
+
+def fit(model_dir: str, rounds: int, quick: bool) -> dict[str, Any]:
     """32 concurrent short chats: a batch-32 artifact whose pool is 8 x 4096 tokens vs the batch-8 one."""
     shape = {"sequence_length": 4096, "prefill_chunk_size": CHUNK, "kv_cache_tokens": 8 * 4096}
     artifacts = {
-        "batch 32, pool 8 x 4096": export_artifact(model_dir, cache / "paged-fit-b32", batch_size=32, **shape),
-        "batch 8, pool 8 x 4096": export_artifact(model_dir, cache / "paged-fit-b8", batch_size=8, **shape),
+        "batch 32, pool 8 x 4096": export_artifact(model_dir, batch_size=32, **shape),
+        "batch 8, pool 8 x 4096": export_artifact(model_dir, batch_size=8, **shape),
     }
     prompts = 32 if quick else 64
     load = ["--dataset-name", "random", "--random-input-len", "100", "--random-output-len", "100"]
@@ -220,11 +264,15 @@ def fit(model_dir: str, cache: Path, rounds: int, quick: bool) -> dict[str, Any]
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one round, fewer steps and requests")
-    parts = ["blocks", "price", "prefix", "fit"]
-    parser.add_argument("--parts", nargs="+", default=parts, choices=parts)
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     parser.add_argument("--baseline", default=BASELINE, help="the commit whose slot layout `price` compares with")
     parser.add_argument("--machine", default="epyc-2core", help="results subfolder name")
+    parser.add_argument("--chunk-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.chunk_worker:
+        print(json.dumps(chunk_worker(args.chunk_worker, args.repeats)))
+        return
     from rich.progress import Progress
 
     from benchmark.machine import describe
@@ -247,9 +295,11 @@ def main(argv: list[str] | None = None) -> None:
                 baseline = baseline_checkout(args.baseline, cache)
                 results["price"] = price(model_dir, baseline, cache, rounds, 8 if args.quick else 16)
             elif part == "prefix":
-                results["prefix"] = prefix(model_dir, cache, rounds, args.quick)
+                results["prefix"] = prefix(model_dir, rounds, args.quick)
+            elif part == "chunks":
+                results["chunks"] = chunks(model_dir, rounds, args.quick)
             else:
-                results["fit"] = fit(model_dir, cache, rounds, args.quick)
+                results["fit"] = fit(model_dir, rounds, args.quick)
             progress.advance(task)
     write_report(RESULTS / args.machine, earlier_parts(RESULTS / args.machine, args.parts) | results)
 
@@ -260,7 +310,7 @@ def earlier_parts(folder: Path, run: list[str]) -> dict[str, Any]:
     if not path.is_file():
         return {}
     earlier = json.loads(path.read_text())
-    return {part: earlier[part] for part in ("blocks", "price", "prefix", "fit") if part in earlier and part not in run}
+    return {part: earlier[part] for part in PARTS if part in earlier and part not in run}
 
 
 if __name__ == "__main__":

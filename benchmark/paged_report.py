@@ -83,6 +83,29 @@ def block_lines(blocks: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def chunk_lines(chunks: dict[str, Any]) -> list[str]:
+    """A prompt tail's prefill call with chunk-length buckets vs one chunk length."""
+    lines = [
+        "## A prompt's tail after a prefix hit: chunk-length buckets",
+        "",
+        "Milliseconds of the one prefill call holding the last N tokens of a prompt after 1,024 prefilled ones (what "
+        "a prefix-cache hit leaves to compute, then the first token sampled), S 2048, C 256, batch 8; median of "
+        f"{chunks['repeats']} fresh prompts per fresh process, one value per round. `--chunk_buckets auto` (the "
+        "default: the call is padded to the shortest of 4, 8, ..., 256 holding N, one graph with a symbolic chunk "
+        "length) against `--chunk_buckets none` (every call runs 256 columns, a static graph). The last row prices "
+        "the symbolic dimension itself.",
+        "",
+        "| tail tokens | buckets ms | one length ms | buckets / one length |",
+        "|---|---|---|---|",
+    ]
+    runs = chunks["runs"]
+    for tail in runs["auto"][0]:
+        ours, one = [r[tail] for r in runs["auto"]], [r[tail] for r in runs["none"]]
+        ratio = statistics.median(ours) / statistics.median(one)
+        lines.append(f"| {tail} | {_runs(ours)} | {_runs(one)} | **{ratio:.2f}x** |")
+    return [*lines, "", f"1-minute load at the end of the part: {chunks['load']:.2f}.", ""]
+
+
 def write_report(folder: Path, results: dict[str, Any]) -> None:
     """``paged.md`` and ``paged.json`` under ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -108,6 +131,8 @@ def write_report(folder: Path, results: dict[str, Any]) -> None:
             "Prefix caching on (vLLM's default) vs `--no-enable-prefix-caching`."
         )
         lines += serve_lines("Shared prefixes: prefix caching on vs off", intro, results["prefix"], "off")
+    if "chunks" in results:
+        lines += chunk_lines(results["chunks"])
     if "fit" in results:
         intro = (
             "32 users of short chats (random prompts of 100 tokens, 100 new tokens), S 4096, C 256: a batch-32 "

@@ -57,7 +57,7 @@ def _prefill_seconds(engine: Any, prompt: list[int]) -> float:
     """Wall time of one engine step that prefills ``prompt`` whole and samples its first token."""
     from optimum.neuron.runtime.sampling import SamplingParams
 
-    engine.admit("prompt", prompt, SamplingParams())
+    engine.admit("prompt", prompt, SamplingParams(), reuse=False)  # every repeat prefills the whole prompt
     start = time.perf_counter()
     engine.step({"prompt": len(prompt)})
     elapsed = time.perf_counter() - start
