@@ -189,8 +189,7 @@ class NeuronConfig:
                 windows.append(size)
                 size *= 2
             return (*windows, seq)
-        sizes = tuple(int(part) for part in spec.split(","))
-        return sizes if sizes[-1] == seq else (*sizes, seq)
+        return _listed_sizes(spec, seq)
 
     @property
     def chunk_sizes(self) -> tuple[int, ...]:
@@ -207,8 +206,7 @@ class NeuronConfig:
                 size //= 2
                 sizes.insert(0, size)
             return tuple(sizes)
-        sizes = [int(part) for part in spec.split(",")]
-        return (*sizes, chunk) if sizes[-1] != chunk else tuple(sizes)
+        return _listed_sizes(spec, chunk)
 
     @property
     def block_size(self) -> int:
@@ -451,23 +449,15 @@ def _check_sampling(config: NeuronConfig) -> None:
 
 def _check_buckets(config: NeuronConfig) -> None:
     """`kv_buckets` must be ``auto``, ``none`` or increasing window sizes in ``[max(C, 2), sequence_length]``."""
-    spec = config.kv_buckets
     fix = f"pass {flag('kv_buckets')} auto, none, or increasing sizes such as 256,512 (sequence_length is added)."
-    if not isinstance(spec, str):
-        raise IncompatibleConfigError(f"kv_buckets must be a string, got {spec!r}: {fix}")
-    if spec.strip().lower() in ("auto", "none"):
+    sizes = _bucket_list(config, "kv_buckets", fix)
+    if sizes is None:
         return
-    try:
-        sizes = [int(part) for part in spec.split(",")]
-    except ValueError:
-        raise IncompatibleConfigError(f"kv_buckets={spec!r} is not auto, none or a list of integers: {fix}") from None
     smallest = max(config.prefill_chunk_size, 2)
-    if any(b <= a for a, b in itertools.pairwise(sizes)):
-        raise IncompatibleConfigError(f"kv_buckets={spec!r} must be strictly increasing: {fix}")
     if sizes[0] < smallest or sizes[-1] > config.sequence_length:
         raise IncompatibleConfigError(
-            f"kv_buckets={spec!r}: every window must lie between {smallest} (the prefill chunk, at least 2) and "
-            f"sequence_length={config.sequence_length}: {fix}"
+            f"kv_buckets={config.kv_buckets!r}: every window must lie between {smallest} (the prefill chunk, at least "
+            f"2) and sequence_length={config.sequence_length}: {fix}"
         )
 
 
@@ -476,26 +466,48 @@ def _check_chunk_buckets(config: NeuronConfig) -> None:
     a chunked-prefill artifact."""
     spec, chunk = config.chunk_buckets, config.prefill_chunk_size
     fix = f"pass {flag('chunk_buckets')} auto, none, or increasing lengths such as 64,128 (the chunk size is added)."
-    if not isinstance(spec, str):
-        raise IncompatibleConfigError(f"chunk_buckets must be a string, got {spec!r}: {fix}")
-    if spec.strip().lower() in ("auto", "none"):
+    sizes = _bucket_list(config, "chunk_buckets", fix)
+    if sizes is None:
         return
-    try:
-        sizes = [int(part) for part in spec.split(",")]
-    except ValueError:
-        raise IncompatibleConfigError(f"chunk_buckets={spec!r} is not auto, none or a list of lengths: {fix}") from None
     if not chunk:
         raise IncompatibleConfigError(
             f"chunk_buckets={spec!r} needs chunked prefill: context encoding runs the whole sequence length in one "
             f"call; pass {flag('prefill_chunk_size')} C, or leave {flag('chunk_buckets')} at auto."
         )
-    if any(b <= a for a, b in itertools.pairwise(sizes)):
-        raise IncompatibleConfigError(f"chunk_buckets={spec!r} must be strictly increasing: {fix}")
     if sizes[0] < SMALLEST_CHUNK_BUCKET or sizes[-1] > chunk:
         raise IncompatibleConfigError(
             f"chunk_buckets={spec!r}: every length must lie between {SMALLEST_CHUNK_BUCKET} and prefill_chunk_size="
             f"{chunk}: {fix}"
         )
+
+
+def _bucket_list(config: NeuronConfig, name: str, fix: str) -> tuple[int, ...] | None:
+    """The sizes the bucket field ``name`` (`kv_buckets`, `chunk_buckets`) lists, checked to be a string of strictly
+    increasing integers; None for ``auto`` or ``none``. The caller checks their range."""
+    spec = getattr(config, name)
+    if not isinstance(spec, str):
+        raise IncompatibleConfigError(f"{name} must be a string, got {spec!r}: {fix}")
+    if spec.strip().lower() in ("auto", "none"):
+        return None
+    try:
+        sizes = _parsed_sizes(spec)
+    except ValueError:
+        raise IncompatibleConfigError(f"{name}={spec!r} is not auto, none or a list of integers: {fix}") from None
+    if any(b <= a for a, b in itertools.pairwise(sizes)):
+        raise IncompatibleConfigError(f"{name}={spec!r} must be strictly increasing: {fix}")
+    return sizes
+
+
+def _parsed_sizes(spec: str) -> tuple[int, ...]:
+    """The integers of a bucket list ``A,B,...`` (`ValueError` when one is not)."""
+    return tuple(int(part) for part in spec.split(","))
+
+
+def _listed_sizes(spec: str, top: int) -> tuple[int, ...]:
+    """The sizes a checked bucket list names, ``top`` (the sequence length, the chunk size) appended unless it is the
+    last (the one rule that resolves a list for `NeuronConfig.kv_windows` and `NeuronConfig.chunk_sizes`)."""
+    sizes = _parsed_sizes(spec)
+    return sizes if sizes[-1] == top else (*sizes, top)
 
 
 def _check_kv_cache(config: NeuronConfig) -> None:

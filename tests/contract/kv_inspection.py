@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from optimum.neuron.artifact import Artifact
+from optimum.neuron.graphs import GraphKind, select_graph
 from optimum.neuron.models.layers.kv_cache import SCRATCH_BLOCK
 from optimum.neuron.runtime.engine import Engine
 from tests.contract.engine_tools import GREEDY, by_slot, sequence_slots
@@ -127,7 +128,9 @@ def _check_padded_chunk_writes(case: Setup) -> None:
             f"fill {fill}: padding did not use the scratch block"
         )
         prefix = case.slots(0, START + fill)
-        bucket = min(size for size in case.engine.config.chunk_sizes if size >= fill)  # the padded call's length
+        call = select_graph(case.engine.specs.values(), GraphKind.CHUNKED_PREFILL, reach=START, tokens=fill)
+        assert call is not None, "the artifact has a chunked-prefill graph"
+        bucket = call.tokens  # the padded call's length
         _, full = case.shipped(case.second[:bucket], seed=fill)  # same noise, same first chunk, no padding
         for got, want in zip(rows(padded, prefix), rows(full, case.slots(0, START + fill)), strict=True):
             assert torch.equal(got, want), f"fill {fill}: padded and unpadded chunks wrote different K/V"

@@ -27,7 +27,7 @@ def test_chunk_sizes_resolve_auto_none_and_lists(backend: str, chunk: int, spec:
 
 
 @pytest.mark.parametrize(("spec", "chunk", "fragment"), [
-    ("64,abc", 256, "list of lengths"),
+    ("64,abc", 256, "list of integers"),
     ("128,64", 256, "strictly increasing"),
     ("2,128", 256, "between 4 and prefill_chunk_size=256"),
     ("512", 256, "between 4 and prefill_chunk_size=256"),
