@@ -53,6 +53,23 @@ def window_keys(table: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.arange(table.shape[1] * block_size, device=table.device)
 
 
+def grouped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of ``q [B, H, T, D]`` over ``keys`` / ``values [B, KV, L, D]`` (``H`` a multiple
+    of ``KV``: each KV head serves ``H / KV`` query heads) under the boolean ``mask``. On the CPU, SDPA's ``enable_gqa``
+    reads the KV heads as they are. On CUDA the KV heads are repeated to ``H`` first: there SDPA with ``enable_gqa``
+    and a boolean mask decomposes to its math path, which repeats them with ``repeat_interleave``, and gives
+    ``torch.export`` a guard on the symbolic KV window it cannot prove (docs/cuda.md). The heads are repeated by ``index_select``, not
+    ``repeat_interleave``: that one expands an unsqueezed dimension, whose contiguity check gives the same unprovable
+    guard under torch 2.11 on CUDA."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    kv_head = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // keys.shape[1])
+    keys, values = keys.index_select(1, kv_head), values.index_select(1, kv_head)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
 @dataclass
 class DecodeContext:
     """Token generation: row ``b`` decodes the sequence whose blocks ``table[b]`` lists and writes its token at cache
@@ -105,7 +122,7 @@ class DecodeContext:
             factor = q.shape[-1] ** -0.5 if scale is None else scale
             return paged_attention(q, caches[0], caches[1], self.table, rows, factor)
         keys, values = (read_blocks(cache, self.table) for cache in caches)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return grouped_attention(q, keys, values, mask, scale)
 
 
 @dataclass
@@ -152,7 +169,7 @@ class ChunkContext:
             keys = torch.cat((read_blocks(caches[0], self.table), k), dim=2)
             values = torch.cat((read_blocks(caches[1], self.table), v), dim=2)
         mask = self.mask_for(window)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = grouped_attention(q, keys, values, mask, scale)
         write_slots(caches[0], self.slots, k)
         write_slots(caches[1], self.slots, v)
         return out
