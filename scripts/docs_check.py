@@ -6,7 +6,9 @@ the project's environment DIR instead of ``.venv``, e.g. ``.venv-xla``). One run
 one environment (``--venv``, default ``.venv``) and says how many blocks it leaves to the others.
 The blocks of one file run in order, in one fresh temporary directory that links the environment
 under its own name (so the docs' ``.venv/bin/...`` commands work as written), with
-``bash -euo pipefail``, its ``bin`` first on PATH and the project's cache. A block that fails, prints
+``bash -euo pipefail``, its ``bin`` first on PATH and the project's cache. Files run side by side,
+`JOBS` at a time (a block mostly waits on one process: a server starting, a model loading), so two files'
+blocks must not claim the same port. A block that fails, prints
 no TEXT, or outlives `BLOCK_TIMEOUT` fails the check; whatever a block started in the background is
 killed when it ends.
 
@@ -22,7 +24,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +36,9 @@ ATTRIBUTE = re.compile(r'(\w+)="([^"]*)"')
 FENCE = re.compile(r"^```(\w*)\s*$")
 BLOCK_TIMEOUT = 1200
 DEFAULT_VENV = ".venv"
+JOBS = 2
+"""Files checked at the same time."""
+_PRINT = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,8 @@ def check_file(path: Path, venv: str = DEFAULT_VENV) -> int:
     if not blocks:
         return 0
     if not (ROOT / venv / "bin" / "python").is_file():
-        print(f"{path.name}: {ROOT / venv} does not exist: make it first (make install / make install-xla)")
+        with _PRINT:
+            print(f"{path.name}: {ROOT / venv} does not exist: make it first (make install / make install-xla)")
         return len(blocks)
     with tempfile.TemporaryDirectory(prefix="docs-check-") as work:
         (Path(work) / venv).symlink_to(ROOT / venv)
@@ -117,9 +125,12 @@ def check_file(path: Path, venv: str = DEFAULT_VENV) -> int:
             code, out, err = run_block(block.text, work, venv)
             status = verdict(code, out, block.expect)
             name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-            print(f"{name} block {index}: {status} in {time.perf_counter() - start:.1f}s")
+            report = f"{name} block {index}: {status} in {time.perf_counter() - start:.1f}s"
             if status != "ok":
-                print(f"--- block ---\n{block.text}\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}")
+                report += f"\n--- block ---\n{block.text}\n--- stdout ---\n{out[-3000:]}\n--- stderr ---\n{err[-3000:]}"
+            with _PRINT:
+                print(report, flush=True)
+            if status != "ok":
                 return 1
     return 0
 
@@ -131,7 +142,8 @@ def main(argv: list[str]) -> int:
     files = [Path(a).resolve() for a in argv] or [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     blocks = [b for f in files for b in runnable_blocks(f.read_text())]
     mine = sum(b.venv == venv for b in blocks)
-    failures = sum(check_file(f, venv) for f in files)
+    with ThreadPoolExecutor(JOBS) as pool:
+        failures = sum(pool.map(lambda f: check_file(f, venv), files))
     others = sorted({b.venv for b in blocks} - {venv})
     elsewhere = f"; {len(blocks) - mine} left to {', '.join(others)} (--venv)" if others else ""
     print(f"docs-check ({venv}): {mine} runnable blocks, {failures} failed{elsewhere}")

@@ -40,14 +40,19 @@ EAGER_TOLERANCE = 1 / 64
 HF_TOLERANCE = 0.25
 FP16_TOLERANCE = 0.05
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-"""Compiled in bf16 on inductor. The later families run here on eager (gemma3: its own bf16 rounding, ``1 + weight``
+"""bf16 on eager and inductor. The later families run here on eager only (gemma3: its own bf16 rounding, ``1 + weight``
 norms in fp32, the embedding scale rounded to bf16; phi3: fused projections, partial rotary; qwen3_moe: the router;
 Idefics3: the vision tower and the splice, `test_bf16_idefics3_matches_transformers`): their bf16 compiles are left
 out of the suite's budget, their arithmetic is pinned in fp32 on every backend by the contract suite."""
+INDUCTOR_FAMILIES = ("llama", "qwen3")
+"""Compiled in bf16 on inductor: llama (the layer every family shares) and qwen3 (its q/k norms, the one extra op of
+the four whose bf16 rounding inductor could fuse differently). qwen2 (projection biases) and mistral (llama's layer)
+compile nothing inductor's bf16 handling treats apart from llama's, so they run on eager: two compiles out of CI."""
 CASES = [
     (family, mode, backend)
     for backend in ("eager", "inductor")
-    for family, mode in [(family, "chunked") for family in FAMILIES] + [("llama", "ce")]
+    for family, mode in [(f, "chunked") for f in (FAMILIES if backend == "eager" else INDUCTOR_FAMILIES)]
+    + [("llama", "ce")]
 ] + [(family, "chunked", "eager") for family in ("gemma3", "phi3", "qwen3_moe")]
 FP16_CASES = [("llama", "eager"), ("llama", "inductor"), ("gemma3", "eager"), ("qwen3_moe", "eager")]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -77,7 +82,7 @@ def greedy(model: NeuronModelForCausalLM, ids: torch.Tensor) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", INDUCTOR_FAMILIES)
 def test_bf16_inductor_matches_eager(family: str) -> None:
     eager, inductor = neuron_model(family, "eager"), neuron_model(family, "inductor")
     for length in LENGTHS:

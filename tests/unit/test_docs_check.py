@@ -99,3 +99,18 @@ def test_blocks_run_the_docs_venv_commands_as_written(docs_check: ModuleType, tm
     block = "test -x .venv/bin/python && command -v optimum-cli"
     page.write_text(f'<!-- docs-check expect=".venv/bin/optimum-cli" -->\n```bash\n{block}\n```\n')
     assert docs_check.check_file(page) == 0
+
+
+def test_files_run_side_by_side(docs_check: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two files whose blocks each wait (up to 20 s) for the other's mark: both pass only when they run at once."""
+
+    def page(name: str, mine: str, theirs: str) -> Path:
+        wait = f"for i in $(seq 200); do [ -f {tmp_path}/{theirs} ] && break; sleep 0.1; done"
+        block = f"touch {tmp_path}/{mine}\n{wait}\ntest -f {tmp_path}/{theirs} && echo met"
+        path = tmp_path / name
+        path.write_text(f'<!-- docs-check expect="met" -->\n```bash\n{block}\n```\n')
+        return path
+
+    assert docs_check.JOBS >= 2
+    assert docs_check.main([str(page("a.md", "a", "b")), str(page("b.md", "b", "a"))]) == 0
+    assert "2 runnable blocks, 0 failed" in capsys.readouterr().out

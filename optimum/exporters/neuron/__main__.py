@@ -64,10 +64,12 @@ def config_from_args(args: argparse.Namespace) -> NeuronConfig:
 
 
 def run_export(args: argparse.Namespace) -> Path:
-    """Build the `NeuronConfig` from parsed flags and export."""
+    """Build the `NeuronConfig` from parsed flags and export. The config is built first: a bad flag is refused before
+    the exporter's imports (transformers, the model code), in about half the time."""
+    config = config_from_args(args)
     from .export import export
 
-    return export(args.model, args.output, config_from_args(args), use_cache=not args.no_cache)
+    return export(args.model, args.output, config, use_cache=not args.no_cache)
 
 
 def main(argv: list[str] | None = None) -> int:
