@@ -58,11 +58,10 @@ def grouped_attention(
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` of ``q [B, H, T, D]`` over ``keys`` / ``values [B, KV, L, D]`` (``H`` a multiple
     of ``KV``: each KV head serves ``H / KV`` query heads) under the boolean ``mask``. On the CPU, SDPA's ``enable_gqa``
-    reads the KV heads as they are. On CUDA the KV heads are repeated to ``H`` first: there SDPA with ``enable_gqa``
-    and a boolean mask decomposes to its math path, which repeats them with ``repeat_interleave``, and gives
-    ``torch.export`` a guard on the symbolic KV window it cannot prove (docs/cuda.md). The heads are repeated by ``index_select``, not
-    ``repeat_interleave``: that one expands an unsqueezed dimension, whose contiguity check gives the same unprovable
-    guard under torch 2.11 on CUDA."""
+    reads the KV heads as they are. On CUDA the KV heads are repeated to ``H`` first, by ``index_select``: there SDPA
+    with ``enable_gqa`` and a boolean mask decomposes to its math path, which repeats them with ``repeat_interleave``,
+    and that one expands an unsqueezed dimension whose contiguity check gives ``torch.export`` a guard on the symbolic
+    KV window it cannot prove (torch 2.11, docs/cuda.md)."""
     if q.device.type != "cuda":
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     kv_head = torch.arange(q.shape[1], device=q.device) // (q.shape[1] // keys.shape[1])
