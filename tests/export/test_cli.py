@@ -95,7 +95,7 @@ BAD_INPUTS = [
     ("optimum-cli", ["--backend", "xla", "--device", "cuda"], ["--device cpu", "--backend inductor --device cuda"]),
     ("main()", ["--backend", "xla"], ["torch-xla is not installed", "make install-xla"]),
     (
-        "optimum-cli",
+        "main()",
         ["--backend", "xla", "--kv_cache_dtype", "int8"],
         ["kv_cache_dtype='int8'", "--kv_cache_dtype auto"],
     ),
