@@ -87,6 +87,19 @@ def test_padded_chunk_writes_stay_bitwise_on_an_int8_kv_artifact(name: str) -> N
     kv_inspection.check_padded_chunk_writes_on(Engine(Artifact.open(export_fixture(name))))
 
 
+def test_padded_chunk_writes_stay_bitwise_on_a_bf16_int8_kv_artifact() -> None:
+    """bf16 (the gather, dequantized in the graph into bf16): padded columns still write bitwise the real last token's
+    values and scales."""
+    from optimum.exporters.neuron.export import cached_export
+    from tests.contract import kv_inspection
+
+    fixture = fixture_named("llama-2x4x8-kvint8-eager")
+    bf16 = cached_export(fixture.model(), fixture.neuron_config().derive(auto_cast_type="bf16"))
+    engine = Engine(Artifact.open(bf16))
+    assert engine.kv_cache[0].dtype == torch.int8 and engine.kv_cache[2].dtype == torch.float32
+    kv_inspection.check_padded_chunk_writes_on(engine)
+
+
 def test_the_cache_holds_int8_values_and_float32_scales_and_the_artifact_records_it() -> None:
     root = export_fixture("llama-2x4x8-kvint8-eager")
     engine, float_engine = Engine(Artifact.open(root)), Engine(Artifact.open(export_fixture("llama-2x4x8-eager")))
@@ -162,3 +175,21 @@ def test_the_scheme_is_the_documented_one() -> None:
 def test_bad_kv_cache_dtypes_are_refused_naming_the_flag(fields: dict, message: str) -> None:
     with pytest.raises(IncompatibleConfigError, match=message):
         NeuronConfig(**fields)
+
+
+def test_an_image_text_artifact_with_an_int8_kv_cache_equals_transformers() -> None:
+    """Idefics3 (eager, chunk 24: an image span straddles a chunk seam): the language decoder's cache is int8, and the
+    greedy tokens equal transformers' over the fake-quantized cache."""
+    from optimum.neuron import NeuronModelForImageTextToText
+    from tests.fixtures.llm.idefics3 import NEW_TOKENS, idefics3_export, inputs, our_tokens, reference
+    from tests.fixtures.llm.reference import int8_kv_cache
+
+    model = NeuronModelForImageTextToText.from_pretrained(idefics3_export(24, kv_cache_dtype="int8"))
+    assert model.engine.kv_cache[0].dtype == torch.int8
+    batch = inputs(["hello the <image> what is this"], [[0]])
+    hf = reference()
+    cache = int8_kv_cache(hf.config.text_config)
+    want = hf.generate(
+        **batch, past_key_values=cache, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+    )
+    assert our_tokens(model, batch) == want[:, batch["input_ids"].shape[1] :].tolist()
