@@ -149,7 +149,7 @@ class NeuronConfig:
     """Dtype of the paged KV cache: ``auto``, ``auto_cast_type`` (what the model computes in); ``int8``, each token's
     K and V of each KV head quantized when written (symmetric, ``scale = max|x| / 127`` over the head's values, computed
     in the graph: no calibration) and stored as int8 values plus one float32 scale per token and KV head, dequantized
-    when read (the CPU decode kernel dequantizes in registers). A decode step then reads ``(head_dim + 4) /
+    when read (the CPU decode kernel dequantizes each row as it reads it). A decode step then reads ``(head_dim + 4) /
     (head_dim x dtype bytes)`` of the float cache's bytes (fp32, head_dim 64: 27 %). Eager and inductor backends;
     fp8 is not implemented (docs/export.md, "Quantized KV cache")."""
     weight_group_size: int = 0

@@ -9,9 +9,9 @@ layout's: `benchmark/paged.py`). Which keys a row attends is the caller's mask (
 ``attention_kernel``); everything else runs the gather and torch's attention.
 
 ``optimum_neuron::paged_attention_int8`` is the same attention over an int8 cache (``--kv_cache_dtype int8``): int8 K
-and V with one float32 scale per key and KV head, each value read as ``float(q) * scale`` in registers, so a decode
-step streams a quarter of the fp32 cache's bytes (plus the scales), and the result is bitwise the float kernel's on
-the dequantized cache.
+and V with one float32 scale per key and KV head, each key and value dequantized as it is read (``float(q) * scale``
+into one L1-resident row shared by the group's query heads), so a decode step streams a quarter of the fp32 cache's
+bytes (plus the scales), and the result is bitwise the float kernel's on the dequantized cache.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def paged_attention_int8(
     scale: float,
 ) -> torch.Tensor:
     """`paged_attention` over an int8 cache: K and V are ``float(k_cache) * k_scale`` and ``float(v_cache) *
-    v_scale``, dequantized in registers as they are read."""
+    v_scale``, dequantized row by row as they are read."""
     return torch.ops.optimum_neuron.paged_attention_int8(
         q, k_cache, v_cache, k_scale, v_scale, block_table, mask, scale
     )

@@ -14,9 +14,10 @@
 // Tasks are split over threads. A row whose mask attends no key gets zeros.
 //
 // int8 caches (optimum_neuron::paged_attention_int8, --kv_cache_dtype int8): k_cache and v_cache hold int8 values and
-// k_scale, v_scale [blocks, Hk, block_size] float32 one scale per key; each value is read as float(q) * scale (one
-// multiply, in registers) and then goes through exactly the float kernel's arithmetic, so the result is bitwise the
-// float kernel's on the dequantized cache, on each instruction-set path.
+// k_scale, v_scale [blocks, Hk, block_size] float32 one scale per key; each key (value) is dequantized once as it is
+// read, float(q) * scale (one multiply per value, into a head_dim scratch row that stays in L1, shared by the group's
+// query heads), then goes through exactly the float kernel's code, so the result is bitwise the float kernel's on the
+// dequantized cache, on each instruction-set path.
 //
 // Instruction sets. AVX2 + FMA where the CPU has it (8-wide dot products, value sums and exp), else portable C++;
 // OPTIMUM_NEURON_PACKED_ISA=portable picks the portable path (`isa.h`, shared with packed_linear).
@@ -41,41 +42,43 @@ namespace optimum_neuron {
 namespace {
 
 // One task's view of the call: the group of query heads of one row that share a KV head. T: the caches' element type
-// (float, or int8_t with one float scale per key: the scale of the key at offset o is at k_scale[o / dim]).
+// (float, or int8_t with one float scale per cache row).
 template <typename T>
 struct Task {
   const float* q;        // [group, D]: the group's query heads
-  const T* k;            // k_cache: the key of an attended position is at k + offsets[i]
+  const T* k;            // k_cache: the key of an attended position is cache row rows[i], at k + rows[i] * D
   const T* v;            // v_cache, likewise
-  const float* k_scale;  // int8 only: the keys' scales, [blocks, Hk, block_size]
-  const float* v_scale;  // int8 only: the values' scales, likewise
-  const int64_t* offsets;  // the attended keys' offsets (elements) in the caches, count of them
+  const float* k_scale;  // int8 only: one scale per cache row, [blocks, Hk, block_size]
+  const float* v_scale;  // int8 only: likewise for the values
+  const int64_t* rows;   // the attended keys' cache rows ((block * Hk + head) * block_size + j), count of them
   int64_t count;
   int64_t group;
   int64_t dim;
   float scale;
   float* scores;  // [group, count] scratch
   float* out;     // [group, D]
+  float* row;     // [D] scratch: an int8 row dequantized
 };
 
-// The scale of the key (value) at element offset ``offset``: none for a float cache.
-inline float scale_at(const float* scales, int64_t offset, int64_t dim) {
-  return scales == nullptr ? 1.f : scales[offset / dim];
+// Cache row ``index`` as floats: in place for a float cache; for an int8 one, float(q) * scale into ``buf``.
+inline const float* row_floats(const float* cache, const float*, int64_t index, int64_t dim, float*) {
+  return cache + index * dim;
 }
-
-// Element d of a cached vector as a float: itself, or an int8 value times its scale.
-inline float element(const float* p, int64_t d, float) { return p[d]; }
-inline float element(const int8_t* p, int64_t d, float scale) { return static_cast<float>(p[d]) * scale; }
+inline const float* row_floats(const int8_t* cache, const float* scales, int64_t index, int64_t dim, float* buf) {
+  const int8_t* values = cache + index * dim;
+  const float scale = scales[index];
+  for (int64_t d = 0; d < dim; ++d) buf[d] = static_cast<float>(values[d]) * scale;
+  return buf;
+}
 
 template <typename T>
 void task_portable(const Task<T>& t) {
   for (int64_t i = 0; i < t.count; ++i) {
-    const T* key = t.k + t.offsets[i];
-    const float ks = scale_at(t.k_scale, t.offsets[i], t.dim);
+    const float* key = row_floats(t.k, t.k_scale, t.rows[i], t.dim, t.row);
     for (int64_t g = 0; g < t.group; ++g) {
       const float* query = t.q + g * t.dim;
       float dot = 0.f;
-      for (int64_t d = 0; d < t.dim; ++d) dot += query[d] * element(key, d, ks);
+      for (int64_t d = 0; d < t.dim; ++d) dot += query[d] * key[d];
       t.scores[g * t.count + i] = dot * t.scale;
     }
   }
@@ -87,10 +90,9 @@ void task_portable(const Task<T>& t) {
     float* out = t.out + g * t.dim;
     std::fill(out, out + t.dim, 0.f);
     for (int64_t i = 0; i < t.count; ++i) {
-      const T* value = t.v + t.offsets[i];
-      const float vs = scale_at(t.v_scale, t.offsets[i], t.dim);
+      const float* value = row_floats(t.v, t.v_scale, t.rows[i], t.dim, t.row);
       const float weight = row[i] / total;
-      for (int64_t d = 0; d < t.dim; ++d) out[d] += weight * element(value, d, vs);
+      for (int64_t d = 0; d < t.dim; ++d) out[d] += weight * value[d];
     }
   }
 }
@@ -120,33 +122,20 @@ __attribute__((target("avx2,fma"))) inline float sum8(__m256 v) {
   return _mm_cvtss_f32(half);
 }
 
-// Elements d..d+7 of a cached vector as floats: loaded, or 8 int8 values widened and times their scale.
-__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p, int64_t d, float) {
-  return _mm256_loadu_ps(p + d);
-}
-__attribute__((target("avx2,fma"))) inline __m256 load8(const int8_t* p, int64_t d, float scale) {
-  const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + d)));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(scale));
-}
-
-template <typename T>
-__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const T* b, float scale, int64_t dim) {
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t dim) {
   __m256 acc = _mm256_setzero_ps();
   int64_t d = 0;
-  for (; d + 8 <= dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b, d, scale), acc);
+  for (; d + 8 <= dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
   float dot = sum8(acc);
-  for (; d < dim; ++d) dot = std::fma(a[d], element(b, d, scale), dot);  // explicit: one rounding for every type
+  for (; d < dim; ++d) dot += a[d] * b[d];
   return dot;
 }
 
 template <typename T>
 __attribute__((target("avx2,fma"))) void task_avx2(const Task<T>& t) {
   for (int64_t i = 0; i < t.count; ++i) {
-    const T* key = t.k + t.offsets[i];
-    const float ks = scale_at(t.k_scale, t.offsets[i], t.dim);
-    for (int64_t g = 0; g < t.group; ++g) {
-      t.scores[g * t.count + i] = dot_avx2(t.q + g * t.dim, key, ks, t.dim) * t.scale;
-    }
+    const float* key = row_floats(t.k, t.k_scale, t.rows[i], t.dim, t.row);
+    for (int64_t g = 0; g < t.group; ++g) t.scores[g * t.count + i] = dot_avx2(t.q + g * t.dim, key, t.dim) * t.scale;
   }
   std::vector<float> totals(t.group);
   for (int64_t g = 0; g < t.group; ++g) {
@@ -165,16 +154,15 @@ __attribute__((target("avx2,fma"))) void task_avx2(const Task<T>& t) {
     std::fill(t.out + g * t.dim, t.out + (g + 1) * t.dim, 0.f);
   }
   for (int64_t i = 0; i < t.count; ++i) {
-    const T* value = t.v + t.offsets[i];
-    const float vs = scale_at(t.v_scale, t.offsets[i], t.dim);
+    const float* value = row_floats(t.v, t.v_scale, t.rows[i], t.dim, t.row);
     for (int64_t g = 0; g < t.group; ++g) {
       const __m256 weight = _mm256_set1_ps(t.scores[g * t.count + i]);
       float* out = t.out + g * t.dim;
       int64_t d = 0;
       for (; d + 8 <= t.dim; d += 8) {
-        _mm256_storeu_ps(out + d, _mm256_fmadd_ps(weight, load8(value, d, vs), _mm256_loadu_ps(out + d)));
+        _mm256_storeu_ps(out + d, _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + d), _mm256_loadu_ps(out + d)));
       }
-      for (; d < t.dim; ++d) out[d] = std::fma(t.scores[g * t.count + i], element(value, d, vs), out[d]);
+      for (; d < t.dim; ++d) out[d] += t.scores[g * t.count + i] * value[d];
     }
   }
   for (int64_t g = 0; g < t.group; ++g) {
@@ -229,21 +217,21 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const T* kp, c
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> keys(window);
-    std::vector<float> scores(group * window);
+    std::vector<float> scores(group * window), row_buffer(dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / kv_heads, head = task % kv_heads;
       int64_t count = 0;
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t block = tp[row * blocks + b];
         TORCH_CHECK(block >= 0 && block < cache_blocks, "paged_attention: a block of the table lies outside the cache");
-        const int64_t base = ((block * kv_heads + head) * block_size) * dim;
+        const int64_t base = (block * kv_heads + head) * block_size;
         for (int64_t j = 0; j < block_size; ++j) {
-          if (mp[row * window + b * block_size + j]) keys[count++] = base + j * dim;
+          if (mp[row * window + b * block_size + j]) keys[count++] = base + j;
         }
       }
       const int64_t first = row * heads + head * group;
       const Task<T> t{qp + first * dim, kp, vp, ks, vs, keys.data(), count, group, dim, static_cast<float>(scale),
-                      scores.data(), op + first * dim};
+                      scores.data(), op + first * dim, row_buffer.data()};
       run_task(t);
     }
   });

@@ -103,7 +103,7 @@ class DecodeContext:
         if self.kernel:
             rows = mask.reshape(mask.shape[0], mask.shape[-1])
             factor = q.shape[-1] ** -0.5 if scale is None else scale
-            if len(caches) == 4:  # int8 values and their scales, dequantized in registers
+            if len(caches) == 4:  # int8 values and their scales, dequantized as read
                 k_cache, v_cache, k_scale, v_scale = caches
                 return paged_attention_int8(q, k_cache, v_cache, k_scale, v_scale, self.table, rows, factor)
             return paged_attention(q, caches[0], caches[1], self.table, rows, factor)

@@ -19,7 +19,7 @@ An **int8 cache** (``--kv_cache_dtype int8``) holds per layer ``[K, V, K scales,
 same block layout, and one float32 scale per token and KV head, ``[kv_blocks, kv_heads, block_size]``, written at the
 same slots (`quantize_kv`: symmetric, ``scale = max|x| / 127`` over the head's values, computed in the graph). Each
 token is quantized on its own, so a padded column still writes exactly what the real last token writes. Reads
-dequantize (`dequantize_kv`) what they gather; the CPU decode kernel dequantizes in registers instead.
+dequantize (`dequantize_kv`) what they gather; the CPU decode kernel dequantizes each row as it reads it instead.
 """
 
 from __future__ import annotations
