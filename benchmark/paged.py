@@ -1,7 +1,7 @@
 """Paged KV cache benchmark: what paging costs a decode step, what prefix caching buys a chat workload, what a pool
 smaller than the slots lets a larger batch serve (SmolLM2-135M-Instruct, fp32, inductor).
 
-    .venv/bin/python -m benchmark.paged [--quick] [--parts blocks price prefix chunks fit] [--baseline COMMIT]
+    .venv/bin/python -m benchmark.paged [--quick] [--parts blocks price prefix chunks fit kvint8] [--baseline COMMIT]
         [--machine NAME]
 
 * ``blocks``: per block size (8 to 128), the paged decode attention of a step (batch 8, window 2048, 30 layers) and
@@ -18,6 +18,9 @@ smaller than the slots lets a larger batch serve (SmolLM2-135M-Instruct, fp32, i
   (``--chunk_buckets auto``) and without (``none``: every call runs 256 columns), each in a fresh process.
 * ``fit``: 32 concurrent short chats (random 100 -> 100 tokens) on a batch-32 artifact (S 4096) whose pool is 8 x
   4096 tokens, against the batch-8 artifact of the same pool (vLLM admits by blocks): output tok/s.
+* ``kvint8``: decode ms/step at batch 1 and 8 after a 1,000-token context (S 1024, C 256), the fp32 KV cache against
+  ``--kv_cache_dtype int8``, each point in a fresh process, interleaved rounds; and each cache's bytes. ``--quick``
+  runs it on eager artifacts (no compile) after a 64-token context: a smoke run, not a measurement.
 
 Run it on a quiet machine: the 1-minute load is recorded with each part. Results:
 ``benchmark/results/<machine>/paged.md`` and ``paged.json``.
@@ -45,7 +48,9 @@ SEQUENCE_LENGTH, CHUNK, BATCH = 2048, 256, 8
 CONTEXTS = (64, 2000)
 PREFIX, TAILS = 1024, (16, 64, 128, 256)
 """``chunks``: the prefilled prompt start, and the tails whose one prefill call is timed after it."""
-PARTS = ("blocks", "price", "prefix", "chunks", "fit")
+PARTS = ("blocks", "price", "prefix", "chunks", "fit", "kvint8")
+KV_CONTEXT, KV_SEQUENCE_LENGTH, KV_BATCHES = 1000, 1024, (1, 8)
+"""``kvint8``: the live context, the artifacts' sequence length, the batches."""
 
 
 def _env(cache: Path | None = None) -> dict[str, str]:
@@ -261,6 +266,33 @@ def fit(model_dir: str, rounds: int, quick: bool) -> dict[str, Any]:
     return runs
 
 
+def kv_int8(model_dir: str, rounds: int, steps: int, quick: bool) -> dict[str, Any]:
+    """Decode ms/step of fp32-KV and int8-KV artifacts at each of `KV_BATCHES` (all rows live), interleaved rounds of
+    fresh processes; the bytes of each cache."""
+    from optimum.neuron.artifact import Artifact, allocate_cache
+
+    backend, context = ("eager", 64) if quick else ("inductor", KV_CONTEXT)
+    fields = {"sequence_length": KV_SEQUENCE_LENGTH, "prefill_chunk_size": CHUNK, "backend": backend}
+    artifacts = {
+        (kv, batch): export_artifact(model_dir, **fields, batch_size=batch, kv_cache_dtype=kv, decode_logits=False)
+        for kv in ("auto", "int8")
+        for batch in KV_BATCHES
+    }
+    runs: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for batch in KV_BATCHES:
+            for kv in ("auto", "int8"):
+                spec = {"task": "ours", "artifact": str(artifacts[(kv, batch)]), "batch": batch, "context": context}
+                runs.setdefault(f"{kv}@{batch}", []).append(run_worker({**spec, "steps": steps})["median_ms"])
+    cache_bytes = {}
+    for kv in ("auto", "int8"):
+        artifact = Artifact.open(artifacts[(kv, KV_BATCHES[-1])])
+        cache = allocate_cache(artifact.hf_config(), artifact.config, "cpu")
+        cache_bytes[kv] = sum(t.numel() * t.element_size() for t in cache)
+    load = os.getloadavg()[0]
+    return {"runs": runs, "backend": backend, "context": context, "cache_bytes": cache_bytes, "load": load}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one round, fewer steps and requests")
@@ -298,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
                 results["prefix"] = prefix(model_dir, rounds, args.quick)
             elif part == "chunks":
                 results["chunks"] = chunks(model_dir, rounds, args.quick)
+            elif part == "kvint8":
+                results["kvint8"] = kv_int8(model_dir, rounds, 4 if args.quick else 16, args.quick)
             else:
                 results["fit"] = fit(model_dir, rounds, args.quick)
             progress.advance(task)

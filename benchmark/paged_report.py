@@ -106,6 +106,27 @@ def chunk_lines(chunks: dict[str, Any]) -> list[str]:
     return [*lines, "", f"1-minute load at the end of the part: {chunks['load']:.2f}.", ""]
 
 
+def kv_int8_lines(kv: dict[str, Any]) -> list[str]:
+    """The int8 KV cache against the fp32 one: decode ms/step per batch, and the caches' bytes."""
+    auto, int8 = kv["cache_bytes"]["auto"], kv["cache_bytes"]["int8"]
+    lines = [
+        "## int8 KV cache: decode ms/step",
+        "",
+        f"SmolLM2 fp32 weights, S 1024, C 256, {kv['backend']}, every row live after a {kv['context']}-token context; "
+        "median of the decode steps of each fresh process (one value per round). `--kv_cache_dtype int8`: int8 K/V and "
+        "a float32 scale per token and KV head, read by `optimum_neuron::paged_attention_int8`. Cache of the batch-8 "
+        f"artifact: {auto / 2**20:.1f} MiB fp32, {int8 / 2**20:.1f} MiB int8 ({int8 / auto:.4f}).",
+        "",
+        "| batch | fp32 KV ms/step | int8 KV ms/step | int8 / fp32 |",
+        "|---|---|---|---|",
+    ]
+    for batch in sorted({int(key.split("@")[1]) for key in kv["runs"]}):
+        fp32, q8 = kv["runs"][f"auto@{batch}"], kv["runs"][f"int8@{batch}"]
+        ratio = statistics.median(q8) / statistics.median(fp32)
+        lines.append(f"| {batch} | {_runs(fp32)} | {_runs(q8)} | **{ratio:.2f}x** |")
+    return [*lines, "", f"1-minute load at the end of the part: {kv['load']:.2f}.", ""]
+
+
 def write_report(folder: Path, results: dict[str, Any]) -> None:
     """``paged.md`` and ``paged.json`` under ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -142,4 +163,6 @@ def write_report(folder: Path, results: dict[str, Any]) -> None:
         lines += serve_lines(
             "Memory fit: batch 32 in the memory of batch 8", intro, results["fit"], "batch 8, pool 8 x 4096"
         )
+    if "kvint8" in results:
+        lines += kv_int8_lines(results["kvint8"])
     (folder / "paged.md").write_text("\n".join(lines))

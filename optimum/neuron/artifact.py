@@ -283,10 +283,12 @@ def assemble(hf_config: Any, config: NeuronConfig, weights: dict[str, torch.Tens
 def allocate_cache(hf_config: Any, config: NeuronConfig, device: str | torch.device) -> list[torch.Tensor]:
     """The one KV cache of an artifact: K and V per layer, ``[kv_blocks, kv_heads, block_size, head_dim]`` (the pool
     and the scratch block; of the language decoder, for an image-text model; a tensor-parallel rank's: its KV heads
-    only)."""
+    only); with ``--kv_cache_dtype int8``, int8 K and V and their float32 scales ``[kv_blocks, kv_heads,
+    block_size]``."""
     hf_config = language_config(hf_config)
     if config.tp_degree > 1:
         hf_config = rank_config(hf_config, config.tp_degree)
     dims = attention_dims(hf_config)
     layers, block = hf_config.num_hidden_layers, config.block_size
-    return allocate_kv_cache(layers, config.kv_blocks, dims.kv_heads, block, dims.head_dim, config.torch_dtype, device)
+    dtype, blocks = config.torch_dtype, config.kv_blocks
+    return allocate_kv_cache(layers, blocks, dims.kv_heads, block, dims.head_dim, dtype, device, config.kv_int8)

@@ -35,6 +35,9 @@ AUTO_BLOCK_SIZES = (32, 16, 8, 4, 2, 1)
 LINEAR_KERNELS = ("auto", "packed", "aten")
 ATTENTION_KERNELS = ("auto", "paged", "sdpa")
 WEIGHT_FORMATS = ("float", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8")
+KV_INT8_BACKENDS = ("eager", "inductor")
+"""Backends an int8 KV cache compiles on (its cache list holds int8 values and float32 scales)."""
 CHOICES: dict[str, tuple[str, ...]] = {
     "auto_cast_type": tuple(DTYPES),
     "weight_format": WEIGHT_FORMATS,
@@ -42,6 +45,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": DEVICES,
     "linear_kernel": LINEAR_KERNELS,
     "attention_kernel": ATTENTION_KERNELS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 }
 """The allowed values of the fields that take a name (the CLI offers exactly these)."""
 FLAG_NAMES = {"tp_degree": "tensor_parallel_size"}
@@ -141,6 +145,13 @@ class NeuronConfig:
     docs/export.md, "Pre-quantized checkpoints"); activations, the KV cache, embeddings, the LM head, norms, MoE
     routers and experts stay in ``auto_cast_type``. On the CPU in fp32 the packed kernel reads the quantized bytes;
     elsewhere the graph dequantizes (docs/export.md, "Quantized weights")."""
+    kv_cache_dtype: str = "auto"
+    """Dtype of the paged KV cache: ``auto``, ``auto_cast_type`` (what the model computes in); ``int8``, each token's
+    K and V of each KV head quantized when written (symmetric, ``scale = max|x| / 127`` over the head's values, computed
+    in the graph: no calibration) and stored as int8 values plus one float32 scale per token and KV head, dequantized
+    when read (the CPU decode kernel dequantizes each row as it reads it). A decode step then reads ``(head_dim + 4) /
+    (head_dim x dtype bytes)`` of the float cache's bytes (fp32, head_dim 64: 27 %). Eager and inductor backends;
+    fp8 is not implemented (docs/export.md, "Quantized KV cache")."""
     weight_group_size: int = 0
     """int4 only: input columns per scale; 0 picks the largest of 128, 64, 32 that divides every quantized layer's
     input size (the export records the size it used)."""
@@ -159,6 +170,7 @@ class NeuronConfig:
         for check in (
             _check_shapes,
             _check_chunk,
+            _check_kv_cache_dtype,
             _check_dtype_and_backend,
             _check_linear_kernel,
             _check_attention_kernel,
@@ -227,6 +239,11 @@ class NeuronConfig:
         """Blocks of the KV cache: the pool's, plus block 0, the scratch block that takes every write of a token that
         is not real and that no sequence owns (vLLM's null block)."""
         return self.cache_tokens // self.block_size + 1
+
+    @property
+    def kv_int8(self) -> bool:
+        """True when the KV cache holds int8 values and float32 scales (`kv_cache_dtype`)."""
+        return self.kv_cache_dtype == "int8"
 
     @property
     def paged_attention(self) -> bool:
@@ -438,6 +455,23 @@ def _check_weight_format(config: NeuronConfig) -> None:
         raise IncompatibleConfigError(
             f"weight_group_size={group} must be even (two int4 values share a byte): pass {flag('weight_group_size')} "
             "32, 64 or 128."
+        )
+
+
+def _check_kv_cache_dtype(config: NeuronConfig) -> None:
+    """fp8 is named as not implemented; an int8 KV cache compiles on the eager and inductor backends only (any other
+    bad value: `_check_dtype_and_backend`)."""
+    value = config.kv_cache_dtype
+    if isinstance(value, str) and value.lower().startswith(("fp8", "float8")):
+        raise IncompatibleConfigError(
+            f"kv_cache_dtype={value!r}: an fp8 KV cache is not implemented in this release: pass "
+            f"{flag('kv_cache_dtype')} int8 (half the bytes of a bf16 cache) or auto."
+        )
+    if value == "int8" and config.backend in BACKENDS and config.backend not in KV_INT8_BACKENDS:
+        raise IncompatibleConfigError(
+            f"kv_cache_dtype='int8' is implemented for the {' and '.join(KV_INT8_BACKENDS)} backends, not "
+            f"{config.backend!r} (not built nor checked there): pass {flag('kv_cache_dtype')} auto, or "
+            f"--backend {KV_INT8_BACKENDS[1]}."
         )
 
 

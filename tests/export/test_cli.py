@@ -94,6 +94,11 @@ BAD_INPUTS = [
     ("main()", ["--backend", "xla", "--device", "neuron"], ["torch-neuronx", "no Neuron device", "not verified"]),
     ("optimum-cli", ["--backend", "xla", "--device", "cuda"], ["--device cpu", "--backend inductor --device cuda"]),
     ("main()", ["--backend", "xla"], ["torch-xla is not installed", "make install-xla"]),
+    (
+        "main()",
+        ["--backend", "xla", "--kv_cache_dtype", "int8"],
+        ["kv_cache_dtype='int8'", "--kv_cache_dtype auto"],
+    ),
     ("optimum-cli", ["--kv_buckets", "16,8"], ["kv_buckets='16,8'", "strictly increasing", "--kv_buckets auto"]),
     ("main()", ["--kv_block_size", "5"], ["kv_block_size=5", "--kv_block_size with a divisor"]),
     ("optimum-cli", ["--kv_cache_tokens", "8"], ["kv_cache_tokens=8", "at least sequence_length=32"]),

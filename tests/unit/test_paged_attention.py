@@ -1,7 +1,8 @@
 """The paged attention kernel (`kernels.attention`): each row's attention over the blocks of its window, read in place,
 equals torch's ``scaled_dot_product_attention`` on the gathered window (grouped-query attention, causal and
 sliding-window masks, head sizes with and without a tail past the vector width, scattered blocks, an idle row reading
-the scratch block), on the AVX2 path and the portable one; bad inputs raise."""
+the scratch block), on the AVX2 path and the portable one; bad inputs raise. Its int8 twin (``--kv_cache_dtype int8``)
+is bitwise the float kernel on the dequantized cache, on each path."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from optimum.neuron.kernels import library
-from optimum.neuron.kernels.attention import paged_attention
-from optimum.neuron.models.layers.kv_cache import read_blocks
+from optimum.neuron.kernels.attention import paged_attention, paged_attention_int8
+from optimum.neuron.models.layers.kv_cache import dequantize_kv, quantize_kv, read_blocks
 from optimum.neuron.models.layers.masks import decode_mask, decode_window_mask
 
 CASES = [  # (rows, query heads, KV heads, head size, block size, blocks per window, sliding window)
@@ -79,9 +80,46 @@ def test_bad_inputs_raise() -> None:
         paged_attention(q[:, :3], caches[0], caches[1], table, mask, 0.25)
 
 
+def int8_caches(caches: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``[K, V, K scales, V scales]`` of float caches quantized per key (`quantize_kv`), with one all-zero key (scale
+    0), and the float caches they dequantize to."""
+    caches = [c.clone() for c in caches]
+    caches[0][1, 0, 1] = 0
+    (qk, sk), (qv, sv) = quantize_kv(caches[0]), quantize_kv(caches[1])
+    return [qk, qv, sk, sv], [dequantize_kv(qk, sk, torch.float32), dequantize_kv(qv, sv, torch.float32)]
+
+
+def check_int8(rows: int, heads: int, kv_heads: int, dim: int, block: int, blocks: int, seed: int) -> None:
+    """The int8 kernel equals the float kernel on the dequantized cache bitwise, and SDPA on it within rounding."""
+    q, caches, table, positions = inputs(rows, heads, kv_heads, dim, block, blocks, seed)
+    quantized, dequantized = int8_caches(caches)
+    mask = decode_mask(positions, torch.arange(blocks * block))
+    got = paged_attention_int8(q, *quantized, table, mask.reshape(rows, -1), dim**-0.5)
+    assert torch.equal(got, paged_attention(q, *dequantized, table, mask.reshape(rows, -1), dim**-0.5))
+    torch.testing.assert_close(got, reference(q, dequantized, table, mask, block), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(got, paged_attention(q, *caches, table, mask.reshape(rows, -1), dim**-0.5))
+
+
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "dim", "block", "blocks", "window"), CASES)
+def test_int8_kernel_is_the_float_kernel_on_the_dequantized_cache(
+    rows: int, heads: int, kv_heads: int, dim: int, block: int, blocks: int, window: int | None
+) -> None:
+    check_int8(rows, heads, kv_heads, dim, block, blocks, seed=1)
+
+
+def test_int8_kernel_refuses_float_caches_and_misshaped_scales() -> None:
+    q, caches, table, positions = inputs(2, 4, 2, 16, 4, 4)
+    quantized, _ = int8_caches(caches)
+    mask = decode_mask(positions, torch.arange(16)).reshape(2, -1)
+    with pytest.raises(RuntimeError, match="int8 caches"):
+        paged_attention_int8(q, caches[0], caches[1], *quantized[2:], table, mask, 0.25)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        paged_attention_int8(q, *quantized[:2], *(s[:, :1].contiguous() for s in quantized[2:]), table, mask, 0.25)
+
+
 _PORTABLE = """
 import torch
-from tests.unit.test_paged_attention import CASES, inputs, reference
+from tests.unit.test_paged_attention import CASES, check_int8, inputs, reference
 from optimum.neuron.kernels import library
 from optimum.neuron.kernels.attention import paged_attention
 from optimum.neuron.models.layers.masks import decode_mask
@@ -91,11 +129,13 @@ for rows, heads, kv_heads, dim, block, blocks, _ in CASES:
     mask = decode_mask(positions, torch.arange(blocks * block))
     got = paged_attention(q, caches[0], caches[1], table, mask.reshape(rows, -1), dim ** -0.5)
     torch.testing.assert_close(got, reference(q, caches, table, mask, block), rtol=1e-5, atol=1e-6)
+    check_int8(rows, heads, kv_heads, dim, block, blocks, seed=4)
 print("ok")
 """
 
 
 def test_the_portable_path_equals_sdpa_too() -> None:
+    """The portable path: the float kernel equals SDPA, the int8 kernel the float one on the dequantized cache."""
     env = {**os.environ, "OPTIMUM_NEURON_PACKED_ISA": "portable"}
     done = subprocess.run([sys.executable, "-c", _PORTABLE], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -253,3 +253,26 @@ def test_async_and_sync_scheduling_serve_the_same_tokens_and_free_every_slot() -
         slots = settled(functools.partial(llm.collective_rpc, "slot_usage"), [{}])
         assert slots == [{}], f"async_scheduling={asynchronous}: a slot is still held"
         llm.llm_engine.engine_core.shutdown()
+
+
+@subprocess_test
+def test_an_int8_kv_artifact_serves_generates_tokens() -> None:
+    """``--kv_cache_dtype int8``: vLLM places requests in the int8 cache (its spec says int8, with the artifact's
+    blocks) and returns `generate()`'s greedy tokens, batched."""
+    import os
+
+    from vllm import LLM
+
+    from optimum.neuron.artifact import read_config
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its worker is reachable
+    artifact = export_fixture("llama-2x4x8-kvint8-eager")
+    short, long = prompt(3), prompt(2 * CHUNK + 5)
+    want = [our_tokens(artifact, ids) for ids in (short, long)]
+    llm = LLM(model=str(artifact), seed=0)
+    assert vllm_tokens(llm, [short, long], greedy()) == want
+    specs = llm.collective_rpc("get_kv_cache_spec")[0]
+    assert {spec.dtype for spec in specs.values()} == {torch.int8}
+    assert llm.collective_rpc("determine_available_memory")[0] == read_config(artifact).kv_blocks * sum(
+        spec.page_size_bytes for spec in specs.values()
+    )

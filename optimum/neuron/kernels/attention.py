@@ -7,6 +7,11 @@ batch 8 and a 2,000-token context that copy and the strided attention after it m
 layout's: `benchmark/paged.py`). Which keys a row attends is the caller's mask (`models.layers.masks`), passed as
 ``[B, W]`` booleans: the kernel holds no mask rule of its own. fp32 on the CPU, eager and inductor (`NeuronConfig`
 ``attention_kernel``); everything else runs the gather and torch's attention.
+
+``optimum_neuron::paged_attention_int8`` is the same attention over an int8 cache (``--kv_cache_dtype int8``): int8 K
+and V with one float32 scale per key and KV head, each key and value dequantized as it is read (``float(q) * scale``
+into one L1-resident row shared by the group's query heads), so a decode step streams a quarter of the fp32 cache's
+bytes (plus the scales), and the result is bitwise the float kernel's on the dequantized cache.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import torch
 
 OPERATOR = "optimum_neuron::paged_attention"
+INT8_OPERATOR = "optimum_neuron::paged_attention_int8"
 
 torch.library.define(
     OPERATOR,
@@ -44,3 +50,37 @@ def paged_attention(
     """``softmax(q K^T * scale) V`` of each row's query heads over the keys ``mask`` leaves in its window (grouped-query
     attention: query head h uses KV head ``h // (Hq / Hk)``), K and V read through ``block_table`` from the caches."""
     return torch.ops.optimum_neuron.paged_attention(q, k_cache, v_cache, block_table, mask, scale)
+
+
+torch.library.define(
+    INT8_OPERATOR,
+    "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, Tensor block_table, Tensor mask, "
+    "float scale) -> Tensor",
+    tags=(torch.Tag.flexible_layout,),
+)
+"""As `OPERATOR`, the caches int8 ``[blocks, Hk, block_size, D]`` with float32 scales ``[blocks, Hk, block_size]``."""
+
+
+@torch.library.register_fake(INT8_OPERATOR)
+def _int8_output_shape(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+    block_table: torch.Tensor, mask: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    return q.new_empty(q.shape)
+
+
+def paged_attention_int8(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_table: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`paged_attention` over an int8 cache: K and V are ``float(k_cache) * k_scale`` and ``float(v_cache) *
+    v_scale``, dequantized row by row as they are read."""
+    return torch.ops.optimum_neuron.paged_attention_int8(
+        q, k_cache, v_cache, k_scale, v_scale, block_table, mask, scale
+    )

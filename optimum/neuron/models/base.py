@@ -123,9 +123,10 @@ class StaticDecoder(nn.Module):
         if image_rows is not None:
             h = splice_image_rows(h, *image_rows)
         rope = self.model.rotary_emb(position_ids, h.dtype)  # one (cos, sin), or one per layer type
+        per = len(kv_cache) // len(self.model.layers)  # [K, V], or an int8 cache's [K, V, K scales, V scales]
         for i, layer in enumerate(self.model.layers):
             layer_rope = rope[layer.layer_type] if isinstance(rope, dict) else rope
-            h = layer(h, layer_rope, kv_cache[2 * i : 2 * i + 2], ctx)
+            h = layer(h, layer_rope, kv_cache[per * i : per * i + per], ctx)
         return h
 
     def forward(

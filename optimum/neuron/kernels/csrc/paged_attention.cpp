@@ -13,6 +13,12 @@
 // nothing masked reaches exp), then sums the values weighted by it (one pass over V) and divides by the total.
 // Tasks are split over threads. A row whose mask attends no key gets zeros.
 //
+// int8 caches (optimum_neuron::paged_attention_int8, --kv_cache_dtype int8): k_cache and v_cache hold int8 values and
+// k_scale, v_scale [blocks, Hk, block_size] float32 one scale per key; each key (value) is dequantized once as it is
+// read, float(q) * scale (one multiply per value, into a head_dim scratch row that stays in L1, shared by the group's
+// query heads), then goes through exactly the float kernel's code, so the result is bitwise the float kernel's on the
+// dequantized cache, on each instruction-set path.
+//
 // Instruction sets. AVX2 + FMA where the CPU has it (8-wide dot products, value sums and exp), else portable C++;
 // OPTIMUM_NEURON_PACKED_ISA=portable picks the portable path (`isa.h`, shared with packed_linear).
 #include <ATen/ATen.h>
@@ -35,23 +41,40 @@
 namespace optimum_neuron {
 namespace {
 
-// One task's view of the call: the group of query heads of one row that share a KV head.
+// One task's view of the call: the group of query heads of one row that share a KV head. T: the caches' element type
+// (float, or int8_t with one float scale per cache row).
+template <typename T>
 struct Task {
   const float* q;        // [group, D]: the group's query heads
-  const float* k;        // k_cache: the key of an attended position is at k + offsets[i]
-  const float* v;        // v_cache, likewise
-  const int64_t* offsets;  // the attended keys' offsets (floats) in the caches, count of them
+  const T* k;            // k_cache: the key of an attended position is cache row rows[i], at k + rows[i] * D
+  const T* v;            // v_cache, likewise
+  const float* k_scale;  // int8 only: one scale per cache row, [blocks, Hk, block_size]
+  const float* v_scale;  // int8 only: likewise for the values
+  const int64_t* rows;   // the attended keys' cache rows ((block * Hk + head) * block_size + j), count of them
   int64_t count;
   int64_t group;
   int64_t dim;
   float scale;
   float* scores;  // [group, count] scratch
   float* out;     // [group, D]
+  float* row;     // [D] scratch: an int8 row dequantized
 };
 
-void task_portable(const Task& t) {
+// Cache row ``index`` as floats: in place for a float cache; for an int8 one, float(q) * scale into ``buf``.
+inline const float* row_floats(const float* cache, const float*, int64_t index, int64_t dim, float*) {
+  return cache + index * dim;
+}
+inline const float* row_floats(const int8_t* cache, const float* scales, int64_t index, int64_t dim, float* buf) {
+  const int8_t* values = cache + index * dim;
+  const float scale = scales[index];
+  for (int64_t d = 0; d < dim; ++d) buf[d] = static_cast<float>(values[d]) * scale;
+  return buf;
+}
+
+template <typename T>
+void task_portable(const Task<T>& t) {
   for (int64_t i = 0; i < t.count; ++i) {
-    const float* key = t.k + t.offsets[i];
+    const float* key = row_floats(t.k, t.k_scale, t.rows[i], t.dim, t.row);
     for (int64_t g = 0; g < t.group; ++g) {
       const float* query = t.q + g * t.dim;
       float dot = 0.f;
@@ -67,7 +90,7 @@ void task_portable(const Task& t) {
     float* out = t.out + g * t.dim;
     std::fill(out, out + t.dim, 0.f);
     for (int64_t i = 0; i < t.count; ++i) {
-      const float* value = t.v + t.offsets[i];
+      const float* value = row_floats(t.v, t.v_scale, t.rows[i], t.dim, t.row);
       const float weight = row[i] / total;
       for (int64_t d = 0; d < t.dim; ++d) out[d] += weight * value[d];
     }
@@ -108,9 +131,10 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
   return dot;
 }
 
-__attribute__((target("avx2,fma"))) void task_avx2(const Task& t) {
+template <typename T>
+__attribute__((target("avx2,fma"))) void task_avx2(const Task<T>& t) {
   for (int64_t i = 0; i < t.count; ++i) {
-    const float* key = t.k + t.offsets[i];
+    const float* key = row_floats(t.k, t.k_scale, t.rows[i], t.dim, t.row);
     for (int64_t g = 0; g < t.group; ++g) t.scores[g * t.count + i] = dot_avx2(t.q + g * t.dim, key, t.dim) * t.scale;
   }
   std::vector<float> totals(t.group);
@@ -130,7 +154,7 @@ __attribute__((target("avx2,fma"))) void task_avx2(const Task& t) {
     std::fill(t.out + g * t.dim, t.out + (g + 1) * t.dim, 0.f);
   }
   for (int64_t i = 0; i < t.count; ++i) {
-    const float* value = t.v + t.offsets[i];
+    const float* value = row_floats(t.v, t.v_scale, t.rows[i], t.dim, t.row);
     for (int64_t g = 0; g < t.group; ++g) {
       const __m256 weight = _mm256_set1_ps(t.scores[g * t.count + i]);
       float* out = t.out + g * t.dim;
@@ -148,7 +172,8 @@ __attribute__((target("avx2,fma"))) void task_avx2(const Task& t) {
 }
 #endif
 
-void run_task(const Task& t) {
+template <typename T>
+void run_task(const Task<T>& t) {
   if (t.count == 0) {
     std::fill(t.out, t.out + t.group * t.dim, 0.f);
     return;
@@ -159,53 +184,88 @@ void run_task(const Task& t) {
   task_portable(t);
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& table, const at::Tensor& mask, double scale) {
+// Checks shared by both operators; the caches' element type is checked by each.
+void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& table,
+                  const at::Tensor& mask) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "paged_attention: q must be [B, Hq, 1, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "paged_attention: caches must be [blocks, Hk, block_size, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "paged_attention: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention: float32 only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
   TORCH_CHECK(table.scalar_type() == at::kLong && mask.scalar_type() == at::kBool, "paged_attention: int64 table, "
               "bool mask");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(3);
-  const int64_t cache_blocks = k_cache.size(0), kv_heads = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t blocks = table.size(1), window = blocks * block_size, group = heads / kv_heads;
+  const int64_t kv_heads = k_cache.size(1), window = table.size(1) * k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "paged_attention: head layout mismatch");
   TORCH_CHECK(table.size(0) == rows && mask.size(0) == rows && mask.size(1) == window,
               "paged_attention: table [B, nb] and mask [B, nb * block_size] expected");
+}
+
+// The attention of every row: one task per (row, KV head), split over threads. kp, vp: the caches' data; ks, vs: an
+// int8 cache's scales (nullptr for a float cache).
+template <typename T>
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const T* kp, const T* vp, const float* ks,
+                  const float* vs, const at::Tensor& table, const at::Tensor& mask, double scale) {
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(3);
+  const int64_t cache_blocks = k_cache.size(0), kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t blocks = table.size(1), window = blocks * block_size, group = heads / kv_heads;
   const at::Tensor qc = q.contiguous(), tc = table.contiguous(), mc = mask.contiguous();
   at::Tensor out = at::empty({rows, heads, 1, dim}, q.options());
-  const float *qp = qc.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const float* qp = qc.data_ptr<float>();
   const int64_t* tp = tc.data_ptr<int64_t>();
   const bool* mp = mc.data_ptr<bool>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> keys(window);
-    std::vector<float> scores(group * window);
+    std::vector<float> scores(group * window), row_buffer(dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / kv_heads, head = task % kv_heads;
       int64_t count = 0;
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t block = tp[row * blocks + b];
         TORCH_CHECK(block >= 0 && block < cache_blocks, "paged_attention: a block of the table lies outside the cache");
-        const int64_t base = ((block * kv_heads + head) * block_size) * dim;
+        const int64_t base = (block * kv_heads + head) * block_size;
         for (int64_t j = 0; j < block_size; ++j) {
-          if (mp[row * window + b * block_size + j]) keys[count++] = base + j * dim;
+          if (mp[row * window + b * block_size + j]) keys[count++] = base + j;
         }
       }
       const int64_t first = row * heads + head * group;
-      const Task t{qp + first * dim, kp, vp, keys.data(), count, group, dim, static_cast<float>(scale), scores.data(),
-                   op + first * dim};
+      const Task<T> t{qp + first * dim, kp, vp, ks, vs, keys.data(), count, group, dim, static_cast<float>(scale),
+                      scores.data(), op + first * dim, row_buffer.data()};
       run_task(t);
     }
   });
   return out;
 }
 
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& table, const at::Tensor& mask, double scale) {
+  check_inputs(q, k_cache, v_cache, table, mask);
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "paged_attention: float32 only");
+  return attend<float>(q, k_cache, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), nullptr, nullptr, table,
+                       mask, scale);
+}
+
+at::Tensor paged_attention_int8(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& table,
+                                const at::Tensor& mask, double scale) {
+  check_inputs(q, k_cache, v_cache, table, mask);
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar,
+              "paged_attention_int8: int8 caches expected");
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat && k_scale.is_contiguous() &&
+                  v_scale.is_contiguous(),
+              "paged_attention_int8: contiguous float32 scales expected");
+  TORCH_CHECK(k_scale.sizes() == k_cache.sizes().slice(0, 3) && v_scale.sizes() == k_scale.sizes(),
+              "paged_attention_int8: scales must be [blocks, Hk, block_size]");
+  return attend<int8_t>(q, k_cache, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scale.data_ptr<float>(),
+                        v_scale.data_ptr<float>(), table, mask, scale);
+}
+
 }  // namespace
 }  // namespace optimum_neuron
 
-TORCH_LIBRARY_IMPL(optimum_neuron, CPU, m) { m.impl("paged_attention", &optimum_neuron::paged_attention); }
+TORCH_LIBRARY_IMPL(optimum_neuron, CPU, m) {
+  m.impl("paged_attention", &optimum_neuron::paged_attention);
+  m.impl("paged_attention_int8", &optimum_neuron::paged_attention_int8);
+}

@@ -11,7 +11,8 @@ sliding window (`masks.chunk_window_mask`, `masks.decode_window_mask`). Each lay
 Reads go through the call's **KV window** ``[0, W)``: the first ``W / block_size`` blocks of each row's table,
 gathered (`kv_cache.read_blocks`), or for token generation on the CPU read in place by the paged attention kernel
 (`kernels.attention`); writes go to each token's slot (`slot_mapping`: a live position of the
-sequence's blocks, or the scratch block for a token that is not real).
+sequence's blocks, or the scratch block for a token that is not real). Attention reads every key and value as the
+cache holds it, the chunk's own too: an int8 cache's dequantized (`kv_cache.stored_kv`, `kv_cache.readable`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.attention import paged_attention
-from .kv_cache import read_blocks, write_slots
+from ...kernels.attention import paged_attention, paged_attention_int8
+from .kv_cache import read_kv, readable, stored_kv, write_stored
 from .masks import chunk_mask, chunk_window_mask, decode_mask, decode_window_mask
 from .rope import apply_rotary
 
@@ -113,14 +114,16 @@ class DecodeContext:
     ) -> torch.Tensor:
         """Write this step's K/V, then attend over each row's KV window (within ``window`` positions of its own
         for a sliding-window layer)."""
-        write_slots(caches[0], self.slots, k)
-        write_slots(caches[1], self.slots, v)
+        write_stored(caches, self.slots, stored_kv(caches, k, v))
         mask = self.mask_for(window)
         if self.kernel:
             rows = mask.reshape(mask.shape[0], mask.shape[-1])
             factor = q.shape[-1] ** -0.5 if scale is None else scale
+            if len(caches) == 4:  # int8 values and their scales, dequantized as read
+                k_cache, v_cache, k_scale, v_scale = caches
+                return paged_attention_int8(q, k_cache, v_cache, k_scale, v_scale, self.table, rows, factor)
             return paged_attention(q, caches[0], caches[1], self.table, rows, factor)
-        keys, values = (read_blocks(cache, self.table) for cache in caches)
+        keys, values = read_kv(caches, self.table, q.dtype)
         return grouped_attention(q, keys, values, mask, scale)
 
 
@@ -163,14 +166,14 @@ class ChunkContext:
     ) -> torch.Tensor:
         """Attend over the sequence's KV window and the chunk's own K/V (within ``window`` positions of each query for
         a sliding-window layer), then store the chunk's K/V."""
-        keys, values = k, v
+        stored = stored_kv(caches, k, v)
+        keys, values = readable(stored, k.dtype)
         if self.table is not None:
-            keys = torch.cat((read_blocks(caches[0], self.table), k), dim=2)
-            values = torch.cat((read_blocks(caches[1], self.table), v), dim=2)
+            earlier_keys, earlier_values = read_kv(caches, self.table, k.dtype)
+            keys, values = torch.cat((earlier_keys, keys), dim=2), torch.cat((earlier_values, values), dim=2)
         mask = self.mask_for(window)
         out = grouped_attention(q, keys, values, mask, scale)
-        write_slots(caches[0], self.slots, k)
-        write_slots(caches[1], self.slots, v)
+        write_stored(caches, self.slots, stored)
         return out
 
 
