@@ -270,6 +270,7 @@ def kv_int8(model_dir: str, rounds: int, steps: int, quick: bool) -> dict[str, A
     """Decode ms/step of fp32-KV and int8-KV artifacts at each of `KV_BATCHES` (all rows live), interleaved rounds of
     fresh processes; the bytes of each cache."""
     from optimum.neuron.artifact import Artifact, allocate_cache
+    from optimum.neuron.models.layers.kv_cache import cache_bytes as kv_cache_bytes
 
     backend, context = ("eager", 64) if quick else ("inductor", KV_CONTEXT)
     fields = {"sequence_length": KV_SEQUENCE_LENGTH, "prefill_chunk_size": CHUNK, "backend": backend}
@@ -288,7 +289,7 @@ def kv_int8(model_dir: str, rounds: int, steps: int, quick: bool) -> dict[str, A
     for kv in ("auto", "int8"):
         artifact = Artifact.open(artifacts[(kv, KV_BATCHES[-1])])
         cache = allocate_cache(artifact.hf_config(), artifact.config, "cpu")
-        cache_bytes[kv] = sum(t.numel() * t.element_size() for t in cache)
+        cache_bytes[kv] = kv_cache_bytes(cache)
     load = os.getloadavg()[0]
     return {"runs": runs, "backend": backend, "context": context, "cache_bytes": cache_bytes, "load": load}
 

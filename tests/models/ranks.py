@@ -34,3 +34,22 @@ def run_on_ranks(world: int, fn: Callable[..., Any], *args: Any, tmp: Path) -> l
         _rank_main, args=(world, free_port(), fn, args, str(tmp)), nprocs=world, start_method="spawn", join=True
     )
     return [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
+
+
+def greedy_on_rank(names: list[str], lengths: tuple[int, ...], new: int) -> dict[str, dict[int, list[int]]]:
+    """On one rank, for each named export fixture: ``new`` greedy tokens after the prompt of each of ``lengths``
+    (`engine_tools.prompt`), by length; and the padded-chunk writes checked bitwise on the rank's heads."""
+    from optimum.neuron.modeling import NeuronModelForCausalLM
+    from tests.contract import kv_inspection
+    from tests.contract.engine_tools import prompt
+    from tests.fixtures.llm.models import export_fixture
+
+    tokens: dict[str, dict[int, list[int]]] = {}
+    for name in names:
+        model = NeuronModelForCausalLM.from_pretrained(export_fixture(name))
+        tokens[name] = {}
+        for length in lengths:
+            ids = torch.tensor([prompt(length, length)])
+            tokens[name][length] = model.generate(ids, max_new_tokens=new, eos_token_id=[])[0, length:].tolist()
+        kv_inspection.check_padded_chunk_writes_on(model.engine)
+    return tokens

@@ -15,13 +15,13 @@ import torch
 from optimum.neuron.artifact import Artifact
 from optimum.neuron.config import CONFIG_FILE, NeuronConfig
 from optimum.neuron.errors import IncompatibleConfigError
-from optimum.neuron.models.layers.kv_cache import dequantize_kv, quantize_kv
+from optimum.neuron.models.layers.kv_cache import cache_bytes, dequantize_kv, quantize_kv
 from optimum.neuron.runtime.engine import Engine
 from optimum.neuron.runtime.generate import generate_tokens
 from tests.contract.engine_tools import GREEDY, alone, prefill_logits, prompt
 from tests.fixtures.llm.models import KV_INT8_FIXTURES, export_fixture, fixture_named
 from tests.fixtures.llm.reference import fake_quantized_kv, hf_int8_kv_greedy, hf_int8_kv_logits
-from tests.models.ranks import run_on_ranks
+from tests.models.ranks import greedy_on_rank, run_on_ranks
 
 SINGLE = [
     pytest.param(f.name, marks=pytest.mark.slow) if f.backend == "inductor" else f.name
@@ -108,28 +108,9 @@ def test_the_cache_holds_int8_values_and_float32_scales_and_the_artifact_records
     k, v, k_scale, v_scale = engine.kv_cache[:4]
     assert (k.dtype, v.dtype, k_scale.dtype, v_scale.dtype) == (torch.int8, torch.int8, torch.float32, torch.float32)
     assert k.shape == float_engine.kv_cache[0].shape and k_scale.shape == k.shape[:3]
-    ratio = cache_bytes(engine) / cache_bytes(float_engine)
+    ratio = cache_bytes(engine.kv_cache) / cache_bytes(float_engine.kv_cache)
     dim = k.shape[-1]
     assert ratio == (dim + 4) / (4 * dim)  # head_dim 16 here: 0.3125; SmolLM2's 64: 0.265625
-
-
-def cache_bytes(engine: Engine) -> int:
-    """Bytes of an engine's KV cache tensors."""
-    return sum(t.numel() * t.element_size() for t in engine.kv_cache)
-
-
-def _rank_greedy(name: str) -> dict[int, list[int]]:
-    """On one rank: greedy tokens of `LENGTHS`, and the padded-chunk writes checked bitwise on the rank's heads."""
-    from optimum.neuron.modeling import NeuronModelForCausalLM
-    from tests.contract import kv_inspection
-
-    model = NeuronModelForCausalLM.from_pretrained(export_fixture(name))
-    tokens = {}
-    for length in LENGTHS:
-        ids = torch.tensor([prompt(length, length)])
-        tokens[length] = model.generate(ids, max_new_tokens=NEW, eos_token_id=[])[0, length:].tolist()
-    kv_inspection.check_padded_chunk_writes_on(model.engine)
-    return tokens
 
 
 @pytest.mark.slow
@@ -138,10 +119,10 @@ def test_two_ranks_each_hold_their_heads_values_and_scales(tmp_path: Path) -> No
     fake-quantized cache."""
     (name,) = RANKED
     export_fixture(name)
-    ranks = run_on_ranks(2, _rank_greedy, name, tmp=tmp_path)
+    ranks = run_on_ranks(2, greedy_on_rank, [name], LENGTHS, NEW, tmp=tmp_path)
     assert ranks[0] == ranks[1], "the ranks returned different tokens"
     model = fixture_named(name).model()
-    for length, tokens in ranks[0].items():
+    for length, tokens in ranks[0][name].items():
         assert tokens == hf_int8_kv_greedy(model, prompt(length, length), NEW), length
 
 

@@ -20,7 +20,7 @@ from optimum.neuron.runtime.engine import Engine
 from tests.contract.engine_tools import alone, prefill_logits, prompt
 from tests.fixtures.llm.models import QUANTIZED_FIXTURES, export_fixture, fixture_named
 from tests.fixtures.llm.reference import dequantized_checkpoint, hf_greedy, reference_model
-from tests.models.ranks import run_on_ranks
+from tests.models.ranks import greedy_on_rank, run_on_ranks
 
 SINGLE = [f.name for f in QUANTIZED_FIXTURES if f.tp == 1]
 RANKED = [f.name for f in QUANTIZED_FIXTURES if f.tp > 1]
@@ -51,31 +51,13 @@ def test_quantized_artifact_equals_transformers_on_the_dequantized_weights(name:
         assert alone(engine, ids, NEW) == hf_greedy(reference, ids, NEW), (name, length)
 
 
-def _rank_greedy(name: str) -> dict[int, list[int]]:
-    """On one rank: greedy tokens of `LENGTHS`, and the padded-chunk writes checked bitwise on the rank's heads."""
-    from optimum.neuron.modeling import NeuronModelForCausalLM
-    from tests.contract import kv_inspection
-
-    model = NeuronModelForCausalLM.from_pretrained(export_fixture(name))
-    tokens = {}
-    for length in LENGTHS:
-        ids = torch.tensor([prompt(length, length)])
-        tokens[length] = model.generate(ids, max_new_tokens=NEW, eos_token_id=[])[0, length:].tolist()
-    kv_inspection.check_padded_chunk_writes_on(model.engine)
-    return tokens
-
-
-def _ranks_greedy(names: list[str]) -> dict[str, dict[int, list[int]]]:
-    return {name: _rank_greedy(name) for name in names}
-
-
 @pytest.mark.slow
 def test_two_ranks_slice_scales_with_their_rows_and_columns(tmp_path: Path) -> None:
     """int8 with padded heads (zero columns inside o_proj's spread scales) and int4 with groups split over the ranks:
     both ranks return transformers' greedy tokens on the dequantized weights."""
     for name in RANKED:
         export_fixture(name)
-    ranks = run_on_ranks(2, _ranks_greedy, RANKED, tmp=tmp_path)
+    ranks = run_on_ranks(2, greedy_on_rank, RANKED, LENGTHS, NEW, tmp=tmp_path)
     assert ranks[0] == ranks[1], "the ranks returned different tokens"
     for name in RANKED:
         config = Artifact.open(export_fixture(name)).config

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from optimum.neuron import NeuronModelForCausalLM
-from optimum.neuron.runtime.engine import Engine
+from optimum.neuron.models.layers.kv_cache import cache_bytes
 from tests.contract.engine_tools import loaded, prefill_logits
 from tests.fixtures.llm.smollm2 import (
     CHUNKED,
@@ -41,11 +41,6 @@ def greedy(model: NeuronModelForCausalLM, ids: torch.Tensor) -> list[int]:
     return model.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])[0, ids.shape[1] :].tolist()
 
 
-def cache_bytes(engine: Engine) -> int:
-    """Bytes of an engine's KV cache tensors (values and, for int8, scales)."""
-    return sum(t.numel() * t.element_size() for t in engine.kv_cache)
-
-
 def test_int8_kv_greedy_tokens_equal_the_fp32_caches_up_to_a_near_tie() -> None:
     int8, fp32 = loaded(smollm2_artifact(INT8)), loaded(smollm2_artifact(FLOAT))
     short = chat_ids("What is the capital of France?")
@@ -65,4 +60,4 @@ def test_the_int8_cache_is_a_quarter_of_the_fp32_bytes_plus_the_scales() -> None
     int8, fp32 = loaded(smollm2_artifact(INT8)).engine, loaded(smollm2_artifact(FLOAT)).engine
     dim = fp32.kv_cache[0].shape[-1]
     assert dim == 64
-    assert cache_bytes(int8) / cache_bytes(fp32) == (dim + 4) / (4 * dim) == 0.265625
+    assert cache_bytes(int8.kv_cache) / cache_bytes(fp32.kv_cache) == (dim + 4) / (4 * dim) == 0.265625

@@ -57,6 +57,11 @@ def allocate_kv_cache(
     return [torch.zeros(size, dtype=kind).to(device) for _ in range(num_layers) for size, kind in layer]
 
 
+def cache_bytes(cache: list[torch.Tensor]) -> int:
+    """Bytes the tensors of a KV cache list hold (values and, for an int8 cache, scales)."""
+    return sum(t.numel() * t.element_size() for t in cache)
+
+
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., D]`` -> int8 values ``[..., D]`` and float32 scales ``[...]``, per vector: ``scale = max|x| / 127``,
     ``q = round(x / scale)`` (half to even) clamped to ±127, in float32; a zero vector gets scale 0 and zeros."""
