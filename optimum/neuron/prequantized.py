@@ -151,7 +151,8 @@ def _validated(raw: dict[str, Any]) -> Any:
 def _refuse_beyond_weights(raw: dict[str, Any], config: Any) -> None:
     """Refuse what quantizes more than weights, or stores them otherwise than compressed."""
     extras = {
-        "kv_cache_scheme (a quantized KV cache: the cache here is in --auto_cast_type)": config.kv_cache_scheme,
+        "kv_cache_scheme (a KV cache quantized with the checkpoint's scales: the cache here is in --auto_cast_type, "
+        "or int8 with scales computed per token by --kv_cache_dtype int8)": config.kv_cache_scheme,
         "sparsity_config (sparse weights)": raw.get("sparsity_config"),
         "transform_config (rotated weights)": raw.get("transform_config"),
     }

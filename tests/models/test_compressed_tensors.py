@@ -139,7 +139,10 @@ REFUSED_SCHEMES = [
     ({"weights": {"strategy": "channel", "group_size": None}}, "4-bit weights with strategy channel"),
     ({"group": {"input_activations": INT8_ACTIVATIONS}}, "activation quantization"),
     ({"group": {"format": "dense"}}, "format dense"),
-    ({"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}, "kv_cache_scheme"),
+    (
+        {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
+        "kv_cache_scheme .*--kv_cache_dtype int8",
+    ),
     ({"transform_config": {"config_groups": {"r": {}}}}, "transform_config"),
     ({"config_groups": {}}, "config groups are none"),
 ]

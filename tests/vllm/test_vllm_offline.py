@@ -273,6 +273,12 @@ def test_an_int8_kv_artifact_serves_generates_tokens() -> None:
     assert vllm_tokens(llm, [short, long], greedy()) == want
     specs = llm.collective_rpc("get_kv_cache_spec")[0]
     assert {spec.dtype for spec in specs.values()} == {torch.int8}
-    assert llm.collective_rpc("determine_available_memory")[0] == read_config(artifact).kv_blocks * sum(
-        spec.page_size_bytes for spec in specs.values()
-    )
+    memory = llm.collective_rpc("determine_available_memory")[0]
+    assert memory == read_config(artifact).kv_blocks * sum(spec.page_size_bytes for spec in specs.values())
+    assert memory == llm.collective_rpc(_engine_cache_bytes)[0]  # the int8 values and their scales, every byte
+
+
+def _engine_cache_bytes(worker: Any) -> int:
+    from optimum.neuron.models.layers.kv_cache import cache_bytes
+
+    return cache_bytes(worker.runner.engine.kv_cache)

@@ -264,14 +264,21 @@ def _logprobs_lists(req_ids: list[str], logprobs: Mapping[str, Any]) -> Any:
     return LogprobsLists(ids, values, ranks)
 
 
-def kv_cache_spec(layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
+def kv_cache_spec(
+    layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, page_bytes: int
+) -> dict[str, Any]:
     """vLLM's ``KVCacheSpec`` of the engine's paged cache, one ``FullAttentionSpec`` per layer (one KV cache group, one
     block table per request: sliding-window layers keep every position too, their window is a mask), so vLLM's KV
     cache manager places each request's blocks, counts the pool's memory and keys its prefix cache by blocks of
-    ``block_size`` tokens."""
+    ``block_size`` tokens. ``page_bytes``: what one block of one layer holds; above K and V's own bytes (an int8
+    cache's scales) it is the spec's ``page_size_padded``, so vLLM's KV memory figures count every byte."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=head_dim, dtype=dtype)
+    if page_bytes > spec.page_size_bytes:
+        spec = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=kv_heads, head_size=head_dim, dtype=dtype, page_size_padded=page_bytes
+        )
     return {KV_LAYER_NAME.format(layer): spec for layer in range(layers)}
 
 

@@ -2,7 +2,7 @@
 
 It reports the engine's paged KV cache as vLLM's KV cache spec (`compat.kv_cache_spec`: the artifact's block size,
 layers, KV heads of this rank and dtype: int8 for ``--kv_cache_dtype int8``, whose float32 scales, 8 bytes per token and
-KV head, vLLM does not count) with exactly the artifact's blocks, so vLLM's KV cache manager places every
+KV head, count as the page's padding) with exactly the artifact's blocks, so vLLM's KV cache manager places every
 request's blocks in it (prefix caching included); the engine holds the cache and takes the block ids vLLM sends.
 
 Under async scheduling (vLLM's default, off by default for a CPU artifact) every step runs on one step thread, in
@@ -91,14 +91,15 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
     # --- KV cache negotiation ---------------------------------------------------------------
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
-        """The engine's paged cache (this rank's KV heads), one spec per layer, in its K and V dtype (an int8 cache's
-        scales are not counted: vLLM divides `determine_available_memory` into exactly the artifact's blocks either
-        way)."""
+        """The engine's paged cache (this rank's KV heads), one spec per layer, in its K and V dtype, a page counting
+        every tensor the layer's block holds (an int8 cache's scales included)."""
         assert self.runner is not None, "load_model() runs before the KV cache is negotiated"
         engine = self.runner.engine
-        cache, layers = engine.kv_cache[0], len(engine.kv_cache) // tensors_per_layer(engine.config.kv_int8)
+        per_layer = tensors_per_layer(engine.config.kv_int8)
+        cache, layers = engine.kv_cache[0], len(engine.kv_cache) // per_layer
         _, kv_heads, _, head_dim = cache.shape
-        return compat.kv_cache_spec(layers, engine.block_size, kv_heads, head_dim, cache.dtype)
+        page = sum(t[0].numel() * t.element_size() for t in engine.kv_cache[:per_layer])
+        return compat.kv_cache_spec(layers, engine.block_size, kv_heads, head_dim, cache.dtype, page)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         """Any layout: vLLM's cache is never allocated (the base implementation raises on our platform)."""
