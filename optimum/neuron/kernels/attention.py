@@ -10,7 +10,7 @@ layout's: `benchmark/paged.py`). Which keys a row attends is the caller's mask (
 
 ``optimum_neuron::paged_attention_int8`` is the same attention over an int8 cache (``--kv_cache_dtype int8``): int8 K
 and V with one float32 scale per key and KV head, each key and value dequantized as it is read (``float(q) * scale``
-into one L1-resident row shared by the group's query heads), so a decode step streams a quarter of the fp32 cache's
+into L1-resident rows shared by the group's query heads), so a decode step streams a quarter of the fp32 cache's
 bytes (plus the scales), and the result is bitwise the float kernel's on the dequantized cache.
 """
 

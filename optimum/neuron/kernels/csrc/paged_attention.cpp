@@ -15,9 +15,13 @@
 //
 // int8 caches (optimum_neuron::paged_attention_int8, --kv_cache_dtype int8): k_cache and v_cache hold int8 values and
 // k_scale, v_scale [blocks, Hk, block_size] float32 one scale per key; each key (value) is dequantized once as it is
-// read, float(q) * scale (one multiply per value, into a head_dim scratch row that stays in L1, shared by the group's
-// query heads), then goes through exactly the float kernel's code, so the result is bitwise the float kernel's on the
+// read, float(q) * scale (one multiply per value, into a scratch row that stays in L1, shared by the group's query
+// heads), then goes through exactly the float kernel's code, so the result is bitwise the float kernel's on the
 // dequantized cache, on each instruction-set path.
+//
+// The AVX2 path reads eight keys at a time: eight independent dot products per query head, finished together by one
+// transposing sum (`sums8x8`), where one key at a time waited on each dot product's chain and horizontal sum; and the
+// value pass adds eight weighted values to an output piece held in a register (one load and one store per eight keys).
 //
 // Instruction sets. AVX2 + FMA where the CPU has it (8-wide dot products, value sums and exp), else portable C++;
 // OPTIMUM_NEURON_PACKED_ISA=portable picks the portable path (`isa.h`, shared with packed_linear).
@@ -43,6 +47,8 @@ namespace {
 
 // One task's view of the call: the group of query heads of one row that share a KV head. T: the caches' element type
 // (float, or int8_t with one float scale per cache row).
+constexpr int KEYS = 8;  // keys (values) the AVX2 path reads per step
+
 template <typename T>
 struct Task {
   const float* q;        // [group, D]: the group's query heads
@@ -57,7 +63,7 @@ struct Task {
   float scale;
   float* scores;  // [group, count] scratch
   float* out;     // [group, D]
-  float* row;     // [D] scratch: an int8 row dequantized
+  float* buf;     // [KEYS, D] scratch: int8 rows dequantized
 };
 
 // Cache row ``index`` as floats: in place for a float cache; for an int8 one, float(q) * scale into ``buf``.
@@ -74,7 +80,7 @@ inline const float* row_floats(const int8_t* cache, const float* scales, int64_t
 template <typename T>
 void task_portable(const Task<T>& t) {
   for (int64_t i = 0; i < t.count; ++i) {
-    const float* key = row_floats(t.k, t.k_scale, t.rows[i], t.dim, t.row);
+    const float* key = row_floats(t.k, t.k_scale, t.rows[i], t.dim, t.buf);
     for (int64_t g = 0; g < t.group; ++g) {
       const float* query = t.q + g * t.dim;
       float dot = 0.f;
@@ -90,7 +96,7 @@ void task_portable(const Task<T>& t) {
     float* out = t.out + g * t.dim;
     std::fill(out, out + t.dim, 0.f);
     for (int64_t i = 0; i < t.count; ++i) {
-      const float* value = row_floats(t.v, t.v_scale, t.rows[i], t.dim, t.row);
+      const float* value = row_floats(t.v, t.v_scale, t.rows[i], t.dim, t.buf);
       const float weight = row[i] / total;
       for (int64_t d = 0; d < t.dim; ++d) out[d] += weight * value[d];
     }
@@ -131,12 +137,94 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
   return dot;
 }
 
+// The rows rows[0..n) of a cache as floats, their pointers in ``out``: in place for a float cache; for an int8 one
+// dequantized into ``buf`` ([n, dim]), float(q) * scale, the portable path's value (one exact conversion, one rounding).
+__attribute__((target("avx2,fma"))) inline void rows_avx2(const float* cache, const float*, const int64_t* rows,
+                                                          int64_t n, int64_t dim, float*, const float** out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = cache + rows[j] * dim;
+}
+__attribute__((target("avx2,fma"))) inline void rows_avx2(const int8_t* cache, const float* scales,
+                                                          const int64_t* rows, int64_t n, int64_t dim, float* buf,
+                                                          const float** out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t* values = cache + rows[j] * dim;
+    const float scale = scales[rows[j]];
+    float* row = buf + j * dim;
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) {
+      const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + d)));
+      _mm256_storeu_ps(row + d, _mm256_mul_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(scale)));
+    }
+    for (; d < dim; ++d) row[d] = static_cast<float>(values[d]) * scale;
+    out[j] = row;
+  }
+}
+
+// [sum of a[0]'s lanes, ..., sum of a[7]'s]: eight dot products finished at once.
+__attribute__((target("avx2,fma"))) inline __m256 sums8x8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// Scores of the group's query heads against every attended key: KEYS keys at a time (eight independent dot products
+// per query head, finished together), the rest one by one.
+template <typename T>
+__attribute__((target("avx2,fma"))) void scores_avx2(const Task<T>& t) {
+  const float* keys[KEYS];
+  int64_t i = 0;
+  if (t.dim % 8 == 0) {
+    const __m256 scale = _mm256_set1_ps(t.scale);
+    for (; i + KEYS <= t.count; i += KEYS) {
+      rows_avx2(t.k, t.k_scale, t.rows + i, KEYS, t.dim, t.buf, keys);
+      for (int64_t g = 0; g < t.group; ++g) {
+        const float* query = t.q + g * t.dim;
+        __m256 acc[KEYS];
+        for (int j = 0; j < KEYS; ++j) acc[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < t.dim; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(query + d);
+          for (int j = 0; j < KEYS; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[j] + d), acc[j]);
+        }
+        _mm256_storeu_ps(t.scores + g * t.count + i, _mm256_mul_ps(sums8x8(acc), scale));
+      }
+    }
+  }
+  for (; i < t.count; ++i) {
+    rows_avx2(t.k, t.k_scale, t.rows + i, 1, t.dim, t.buf, keys);
+    for (int64_t g = 0; g < t.group; ++g) t.scores[g * t.count + i] = dot_avx2(t.q + g * t.dim, keys[0], t.dim) * t.scale;
+  }
+}
+
+// out[g] += the group's softmax numerators times the values, KEYS values at a time: each 8-float piece of an output
+// row is loaded once, takes the KEYS products in key order, and is stored once.
+template <typename T>
+__attribute__((target("avx2,fma"))) void values_avx2(const Task<T>& t) {
+  const float* values[KEYS];
+  for (int64_t i = 0; i < t.count; i += KEYS) {
+    const int64_t n = std::min<int64_t>(KEYS, t.count - i);
+    rows_avx2(t.v, t.v_scale, t.rows + i, n, t.dim, t.buf, values);
+    for (int64_t g = 0; g < t.group; ++g) {
+      const float* weights = t.scores + g * t.count + i;
+      float* out = t.out + g * t.dim;
+      int64_t d = 0;
+      for (; d + 8 <= t.dim; d += 8) {
+        __m256 acc = _mm256_loadu_ps(out + d);
+        for (int64_t j = 0; j < n; ++j) {
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(weights[j]), _mm256_loadu_ps(values[j] + d), acc);
+        }
+        _mm256_storeu_ps(out + d, acc);
+      }
+      for (; d < t.dim; ++d) {
+        for (int64_t j = 0; j < n; ++j) out[d] += weights[j] * values[j][d];
+      }
+    }
+  }
+}
+
 template <typename T>
 __attribute__((target("avx2,fma"))) void task_avx2(const Task<T>& t) {
-  for (int64_t i = 0; i < t.count; ++i) {
-    const float* key = row_floats(t.k, t.k_scale, t.rows[i], t.dim, t.row);
-    for (int64_t g = 0; g < t.group; ++g) t.scores[g * t.count + i] = dot_avx2(t.q + g * t.dim, key, t.dim) * t.scale;
-  }
+  scores_avx2(t);
   std::vector<float> totals(t.group);
   for (int64_t g = 0; g < t.group; ++g) {
     float* row = t.scores + g * t.count;
@@ -153,18 +241,7 @@ __attribute__((target("avx2,fma"))) void task_avx2(const Task<T>& t) {
     totals[g] = sum8(total) + rest;
     std::fill(t.out + g * t.dim, t.out + (g + 1) * t.dim, 0.f);
   }
-  for (int64_t i = 0; i < t.count; ++i) {
-    const float* value = row_floats(t.v, t.v_scale, t.rows[i], t.dim, t.row);
-    for (int64_t g = 0; g < t.group; ++g) {
-      const __m256 weight = _mm256_set1_ps(t.scores[g * t.count + i]);
-      float* out = t.out + g * t.dim;
-      int64_t d = 0;
-      for (; d + 8 <= t.dim; d += 8) {
-        _mm256_storeu_ps(out + d, _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + d), _mm256_loadu_ps(out + d)));
-      }
-      for (; d < t.dim; ++d) out[d] += t.scores[g * t.count + i] * value[d];
-    }
-  }
+  values_avx2(t);
   for (int64_t g = 0; g < t.group; ++g) {
     const float inverse = 1.f / totals[g];
     for (int64_t d = 0; d < t.dim; ++d) t.out[g * t.dim + d] *= inverse;
@@ -217,7 +294,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const T* kp, c
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> keys(window);
-    std::vector<float> scores(group * window), row_buffer(dim);
+    std::vector<float> scores(group * window), buffer(KEYS * dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / kv_heads, head = task % kv_heads;
       int64_t count = 0;
@@ -231,7 +308,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const T* kp, c
       }
       const int64_t first = row * heads + head * group;
       const Task<T> t{qp + first * dim, kp, vp, ks, vs, keys.data(), count, group, dim, static_cast<float>(scale),
-                      scores.data(), op + first * dim, row_buffer.data()};
+                      scores.data(), op + first * dim, buffer.data()};
       run_task(t);
     }
   });
