@@ -4,8 +4,9 @@ smaller than the slots lets a larger batch serve (SmolLM2-135M-Instruct, fp32, i
     .venv/bin/python -m benchmark.paged [--quick] [--parts blocks price prefix chunks fit kvint8] [--baseline COMMIT]
         [--machine NAME]
 
-* ``blocks``: per block size (8 to 128), the paged decode attention of a step (batch 8, window 2048, 30 layers) and
-  a prefill chunk's gather of a 2048-position window, timed alone: what the default block size is chosen from.
+* ``blocks``: per block size (8 to 128), the paged decode attention of a step (batch 8, window 2048, 30 layers) on
+  an fp32 cache and on the same cache in int8 (``--kv_cache_dtype int8``), and a prefill chunk's gather of a
+  2048-position window, timed alone: what the default block size is chosen from.
 * ``price``: decode ms/step at batch 8, contexts 64 and 2000 (S 2048, C 256), this checkout's paged cache against
   the slot layout of ``--baseline`` (a commit before paging, checked out in a git worktree under the cache and run
   with its own cache folder), each point in a fresh process, interleaved rounds; and the share of the step the block
@@ -78,18 +79,29 @@ def baseline_checkout(commit: str, cache: Path) -> Path:
     return tree
 
 
-def attention_ms(window: int, block: int, steps: int = 20) -> float:
+def attention_ms(window: int, block: int, steps: int = 20) -> dict[str, float]:
     """Milliseconds of a batch-8 decode step's attention over 30 layers with the paged kernel: SmolLM2's 9 query / 3
-    KV heads of 64, a ``window``-position window of ``block``-position blocks spread over the pool."""
+    KV heads of 64, a ``window``-position window of ``block``-position blocks spread over the pool; ``fp32`` on the
+    float pool, ``int8`` on the same pool quantized (`kv_cache.quantize_kv`, the int8 kernel), interleaved."""
     import torch
 
     from optimum.neuron.kernels import library
-    from optimum.neuron.kernels.attention import paged_attention
+    from optimum.neuron.kernels.attention import paged_attention, paged_attention_int8
+    from optimum.neuron.models.layers.kv_cache import quantize_kv
 
     library.load()
     k, v, table = _pool(window, block)
+    (k8, k_scale), (v8, v_scale) = quantize_kv(k), quantize_kv(v)
     q, mask = torch.randn(BATCH, 9, 1, 64), torch.ones(BATCH, window, dtype=torch.bool)
-    return _median_ms(partial(paged_attention, q, k, v, table, mask, 0.125), 30, steps)
+    calls = {
+        "fp32": partial(paged_attention, q, k, v, table, mask, 0.125),
+        "int8": partial(paged_attention_int8, q, k8, v8, k_scale, v_scale, table, mask, 0.125),
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(steps // 5):
+        for name, call in calls.items():
+            times[name].append(_median_ms(call, 30, 5))
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def gather_ms(window: int, block: int, steps: int = 20) -> float:
@@ -114,13 +126,15 @@ def _pool(window: int, block: int) -> tuple[Any, Any, Any]:
 def block_sizes() -> dict[str, Any]:
     """Per block size: a decode step's paged attention and a prefill chunk's gather, window 2048."""
     sizes = (8, 16, 32, 64, 128)
-    return {
-        str(block): {
-            "decode_attention_ms": attention_ms(SEQUENCE_LENGTH, block),
+    rows = {}
+    for block in sizes:
+        attention = attention_ms(SEQUENCE_LENGTH, block)
+        rows[str(block)] = {
+            "decode_attention_ms": attention["fp32"],
+            "decode_attention_int8_ms": attention["int8"],
             "prefill_gather_ms": gather_ms(SEQUENCE_LENGTH, block),
         }
-        for block in sizes
-    }
+    return rows
 
 
 def _median_ms(call: Any, repeats: int, steps: int) -> float:
@@ -154,7 +168,7 @@ def price(model_dir: str, baseline: Path, cache: Path, rounds: int, steps: int) 
                 runs.setdefault(f"{name}@{context}", []).append(result["median_ms"])
     block = NeuronConfig(batch_size=BATCH, sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=CHUNK).block_size
     windows = {context: 256 if context < 256 else SEQUENCE_LENGTH for context in CONTEXTS}
-    attention = {context: attention_ms(window, block) for context, window in windows.items()}
+    attention = {context: attention_ms(window, block)["fp32"] for context, window in windows.items()}
     gathers = {context: gather_ms(window, block) for context, window in windows.items()}
     load = os.getloadavg()[0]
     return {"runs": runs, "block_size": block, "attention_ms": attention, "gather_ms": gathers, "load": load}
