@@ -79,10 +79,11 @@ def baseline_checkout(commit: str, cache: Path) -> Path:
     return tree
 
 
-def attention_ms(window: int, block: int, steps: int = 20) -> dict[str, float]:
+def attention_ms(window: int, block: int, steps: int = 20, int8: bool = True) -> dict[str, float]:
     """Milliseconds of a batch-8 decode step's attention over 30 layers with the paged kernel: SmolLM2's 9 query / 3
     KV heads of 64, a ``window``-position window of ``block``-position blocks spread over the pool; ``fp32`` on the
-    float pool, ``int8`` on the same pool quantized (`kv_cache.quantize_kv`, the int8 kernel), interleaved."""
+    float pool and, with ``int8``, ``int8`` on the same pool quantized (`kv_cache.quantize_kv`, the int8 kernel),
+    interleaved."""
     import torch
 
     from optimum.neuron.kernels import library
@@ -91,12 +92,11 @@ def attention_ms(window: int, block: int, steps: int = 20) -> dict[str, float]:
 
     library.load()
     k, v, table = _pool(window, block)
-    (k8, k_scale), (v8, v_scale) = quantize_kv(k), quantize_kv(v)
     q, mask = torch.randn(BATCH, 9, 1, 64), torch.ones(BATCH, window, dtype=torch.bool)
-    calls = {
-        "fp32": partial(paged_attention, q, k, v, table, mask, 0.125),
-        "int8": partial(paged_attention_int8, q, k8, v8, k_scale, v_scale, table, mask, 0.125),
-    }
+    calls = {"fp32": partial(paged_attention, q, k, v, table, mask, 0.125)}
+    if int8:
+        (k8, k_scale), (v8, v_scale) = quantize_kv(k), quantize_kv(v)
+        calls["int8"] = partial(paged_attention_int8, q, k8, v8, k_scale, v_scale, table, mask, 0.125)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(steps // 5):
         for name, call in calls.items():
@@ -168,7 +168,7 @@ def price(model_dir: str, baseline: Path, cache: Path, rounds: int, steps: int) 
                 runs.setdefault(f"{name}@{context}", []).append(result["median_ms"])
     block = NeuronConfig(batch_size=BATCH, sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=CHUNK).block_size
     windows = {context: 256 if context < 256 else SEQUENCE_LENGTH for context in CONTEXTS}
-    attention = {context: attention_ms(window, block)["fp32"] for context, window in windows.items()}
+    attention = {context: attention_ms(window, block, int8=False)["fp32"] for context, window in windows.items()}
     gathers = {context: gather_ms(window, block) for context, window in windows.items()}
     load = os.getloadavg()[0]
     return {"runs": runs, "block_size": block, "attention_ms": attention, "gather_ms": gathers, "load": load}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from types import FrameType
 from typing import Any
@@ -276,9 +276,7 @@ def kv_cache_spec(
 
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=kv_heads, head_size=head_dim, dtype=dtype)
     if page_bytes > spec.page_size_bytes:
-        spec = FullAttentionSpec(
-            block_size=block_size, num_kv_heads=kv_heads, head_size=head_dim, dtype=dtype, page_size_padded=page_bytes
-        )
+        spec = replace(spec, page_size_padded=page_bytes)
     return {KV_LAYER_NAME.format(layer): spec for layer in range(layers)}
 
 

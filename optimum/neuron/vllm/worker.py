@@ -22,7 +22,7 @@ import torch
 
 from ..artifact import Artifact
 from ..modeling import NeuronModelForCausalLM
-from ..models.layers.kv_cache import tensors_per_layer
+from ..models.layers.kv_cache import cache_bytes, tensors_per_layer
 from ..runtime.engine import Engine
 from . import compat
 from .runner import Runner
@@ -95,10 +95,9 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         every tensor the layer's block holds (an int8 cache's scales included)."""
         assert self.runner is not None, "load_model() runs before the KV cache is negotiated"
         engine = self.runner.engine
-        per_layer = tensors_per_layer(engine.config.kv_int8)
-        cache, layers = engine.kv_cache[0], len(engine.kv_cache) // per_layer
+        cache, layers = engine.kv_cache[0], len(engine.kv_cache) // tensors_per_layer(engine.config.kv_int8)
         _, kv_heads, _, head_dim = cache.shape
-        page = sum(t[0].numel() * t.element_size() for t in engine.kv_cache[:per_layer])
+        page = cache_bytes(engine.kv_cache) // (layers * cache.shape[0])
         return compat.kv_cache_spec(layers, engine.block_size, kv_heads, head_dim, cache.dtype, page)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:

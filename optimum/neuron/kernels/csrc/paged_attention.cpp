@@ -45,10 +45,10 @@
 namespace optimum_neuron {
 namespace {
 
+constexpr int KEYS = 8;  // keys (values) the AVX2 path reads per step: one 8-float vector of scores (`sums8x8`)
+
 // One task's view of the call: the group of query heads of one row that share a KV head. T: the caches' element type
 // (float, or int8_t with one float scale per cache row).
-constexpr int KEYS = 8;  // keys (values) the AVX2 path reads per step
-
 template <typename T>
 struct Task {
   const float* q;        // [group, D]: the group's query heads
