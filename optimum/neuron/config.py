@@ -86,6 +86,14 @@ class NeuronConfig:
     context encoding), run only for the chunks of a prompt whose logprobs are asked: vLLM's prompt_logprobs and
     echo with logprobs, NeuronModelForCausalLM.score(). Off: such requests are refused. Costs one more compiled
     graph, and [chunk, vocab] fp32 logits crossing to the host per such chunk."""
+    speculation_length: int = 0
+    """Speculative decoding: K > 0 also compiles a verification graph taking K + 1 tokens per row (the sequence's last
+    token and K proposed ones, at consecutive positions, written to the cache like any token) and returning every
+    column's logits, so one call checks K proposed tokens against what the model would have picked and keeps the
+    longest run that agrees, plus the model's own next token: up to K + 1 tokens for one read of the weights.
+    ``generate(prompt_lookup_num_tokens=k)`` proposes tokens by matching the sequence's last n-gram against its
+    earlier tokens (transformers' prompt lookup), ``k <= K``. 0 compiles no verification graph
+    (docs/speculative.md)."""
     kv_buckets: str = "auto"
     """KV-length buckets: the cache windows ``[0, W)`` a token-generation or chunked-prefill call may attend over,
     the engine running each call in the smallest window that covers what it reads, so attention costs what the
@@ -170,6 +178,7 @@ class NeuronConfig:
         for check in (
             _check_shapes,
             _check_chunk,
+            _check_speculation,
             _check_kv_cache_dtype,
             _check_dtype_and_backend,
             _check_linear_kernel,
@@ -391,6 +400,15 @@ def _check_chunk(config: NeuronConfig) -> None:
         raise IncompatibleConfigError(
             f"prefill_chunk_size={chunk!r} must be 0 (context encoding) or between 1 and "
             f"sequence_length={seq}: lower --prefill_chunk_size or raise --sequence_length."
+        )
+
+
+def _check_speculation(config: NeuronConfig) -> None:
+    k, seq = config.speculation_length, config.sequence_length
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < seq:
+        raise IncompatibleConfigError(
+            f"speculation_length={k!r} must be 0 (no verification graph) or between 1 and sequence_length - 1 "
+            f"({seq - 1}): pass {flag('speculation_length')} K with a small K (2 to 8 is usual)."
         )
 
 

@@ -25,6 +25,9 @@ class GraphKind(str, enum.Enum):
     """``[1, prefill_chunk_size]`` tokens of one sequence at any offset; returns last-token logits."""
     TOKEN_GENERATION = "token_generation"
     """``[batch_size, 1]``: one token per KV slot; returns sampled tokens or logits."""
+    VERIFICATION = "verification"
+    """``[batch_size, speculation_length + 1]``: per KV slot its last token and the tokens proposed after it, at
+    consecutive positions; returns the logits of every column ``[B, K + 1, V]`` (speculative decoding)."""
     VISION_ENCODER = "vision_encoder"
     """Image-text artifacts: ``[image_tiles, 3, image_size, image_size]`` pixels -> the image rows the prefill graphs
     splice in, ``[image_tiles * rows_per_tile, hidden]``. Never touches the KV cache."""
@@ -42,9 +45,10 @@ class GraphSpec:
 
     kind: GraphKind
     batch: int
-    """Rows of ``input_ids``: 1 for prefill graphs, the cache's ``batch_size`` for token generation."""
+    """Rows of ``input_ids``: 1 for prefill graphs, the cache's ``batch_size`` for token generation and verification."""
     tokens: int
-    """Columns of ``input_ids``: chunk or sequence length for prefill, 1 for token generation."""
+    """Columns of ``input_ids``: chunk or sequence length for prefill, 1 for token generation, ``speculation_length +
+    1`` for verification."""
     samples_on_device: bool
     """True when the graph returns sampled token ids instead of logits."""
     all_rows: bool = False
@@ -103,8 +107,9 @@ class GraphSpec:
 def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
     """Every graph of an artifact built from ``config``, prefill first: the prefill graph (and its all-rows
     variant with ``prompt_logprobs``), the token-generation graph (and, when it samples on device, its
-    logits-returning variant with ``decode_logits``); on a static-shape backend each once per KV window and chunk
-    bucket (the variants run only for requests that ask for logits: in the full window and chunk only)."""
+    logits-returning variant with ``decode_logits``), the verification graph with ``speculation_length``; on a
+    static-shape backend each once per KV window and chunk bucket (the variants run only for requests that ask for
+    logits: in the full window and chunk only)."""
     prefill = dataclasses.replace(graph_spec(config, prefill_kind(config)), images=config.image_tiles > 0)
     token_generation = graph_spec(config, GraphKind.TOKEN_GENERATION)
     specs = [*_as_compiled(prefill, config)]
@@ -114,6 +119,8 @@ def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
     if token_generation.samples_on_device and config.decode_logits:
         logits = dataclasses.replace(token_generation, samples_on_device=False)
         specs.extend(_as_compiled(logits, config, full_only=True))
+    if config.speculation_length:
+        specs.extend(_as_compiled(graph_spec(config, GraphKind.VERIFICATION), config))
     if config.image_tiles:
         specs.append(GraphSpec(GraphKind.VISION_ENCODER, config.image_tiles, 0, False, image_size=config.image_size))
     return tuple(specs)
@@ -126,6 +133,7 @@ SPEC_FIELDS = (
     "on_device_sampling",
     "decode_logits",
     "prompt_logprobs",
+    "speculation_length",
     "image_tiles",
     "image_size",
     "max_images",
@@ -209,6 +217,9 @@ def graph_spec(config: NeuronConfig, kind: GraphKind) -> GraphSpec:
     seq, windows, block = config.sequence_length, config.kv_windows, config.block_size
     if kind is GraphKind.TOKEN_GENERATION:
         return GraphSpec(kind, config.batch_size, 1, config.on_device_sampling, False, windows, seq, block_size=block)
+    if kind is GraphKind.VERIFICATION:
+        tokens = config.speculation_length + 1
+        return GraphSpec(kind, config.batch_size, tokens, False, False, windows, seq, block_size=block)
     if kind is GraphKind.CHUNKED_PREFILL:
         chunks, chunk = config.chunk_sizes, config.prefill_chunk_size
         return GraphSpec(kind, 1, chunk, False, False, windows, seq, block_size=block, chunks=chunks, chunk_size=chunk)

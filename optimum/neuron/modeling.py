@@ -48,6 +48,7 @@ class NeuronModelForCausalLM:
         return_dict_in_generate: bool = False,
         images: list[list[ImageInput]] | None = None,
         use_prefix_cache: bool = True,
+        prompt_lookup_num_tokens: int | None = None,
         **unsupported: Any,
     ) -> Any:
         """Generate like ``transformers``' ``generate``: returns ``[N, L + new]``, the input ids followed
@@ -63,7 +64,11 @@ class NeuronModelForCausalLM:
         mass on ``pad_token_id`` there (score 0, others -inf). ``images[i]`` are the images of row i (image-text
         artifacts: `NeuronModelForImageTextToText` builds them from the processor's ``pixel_values``). A prompt whose
         first blocks of tokens (and images) an earlier call computed reuses their KV blocks and prefills only the rest,
-        unless ``use_prefix_cache`` is False (docs/architecture.md, "The paged KV cache")."""
+        unless ``use_prefix_cache`` is False (docs/architecture.md, "The paged KV cache"). ``prompt_lookup_num_tokens``
+        k (transformers' prompt lookup decoding) proposes up to k tokens per step by matching the sequence's last
+        n-gram against its earlier tokens and verifies them in one call of the verification graph (an artifact
+        exported with ``--speculation_length`` K >= k): the tokens are those generation picks without it, in fewer
+        steps when the output repeats its input (docs/speculative.md)."""
         if unsupported:
             raise InputError(f"generate() does not support {sorted(unsupported)} on compiled graphs.")
         gen = self.generation_config
@@ -82,7 +87,8 @@ class NeuronModelForCausalLM:
         prompts = [p for p in _real_tokens(input_ids, attention_mask) for _ in range(num_return_sequences)]
         rows = [i for i in images for _ in range(num_return_sequences)] if images is not None else None
         new = 20 if max_new_tokens is None else max_new_tokens
-        out = generate(self.engine, prompts, new, params, eos, rows, use_prefix_cache)
+        lookup = prompt_lookup_num_tokens or 0
+        out = generate(self.engine, prompts, new, params, eos, rows, use_prefix_cache, lookup)
         width = max(len(t) for t in out.tokens)
         tail = torch.full((len(prompts), width), pad, dtype=torch.long)
         for row, tokens in enumerate(out.tokens):

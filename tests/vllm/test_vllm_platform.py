@@ -55,6 +55,10 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
         ({"pipeline_parallel_size": 2}, ["pipeline parallelism", "--pipeline-parallel-size"]),
         ({"num_gpu_blocks_override": 18}, ["--num-gpu-blocks-override 18", "17 blocks", "--kv_cache_tokens"]),
         ({"enable_prefix_caching": True, "model": ce}, ["needs a chunked-prefill graph", "--prefill_chunk_size"]),
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+            ["--speculative-config", "prompt_lookup_num_tokens"],
+        ),
     ]
     for kwargs, fragments in refusals:
         with pytest.raises(Exception) as info:

@@ -143,7 +143,8 @@ class StaticDecoder(nn.Module):
         earlier positions through ``block_table`` (the blocks of the call's KV window; ``None``: the graph reads no
         earlier cache). Prefill kinds return last-real-token logits ``[1, V]`` (every column's ``[T, V]`` for an
         ``all_rows`` graph), splicing ``image_rows`` in when given; token generation returns logits ``[B, V]``
-        (sampling is applied by `TokenGenerationGraph`)."""
+        (sampling is applied by `TokenGenerationGraph`); verification, each row's tokens attending like a chunk of its
+        own sequence, returns every column's logits ``[B, K + 1, V]``."""
         block = spec.block_size
         if spec.kind is GraphKind.TOKEN_GENERATION:
             assert block_table is not None, "token generation reads the cache"
@@ -153,6 +154,8 @@ class StaticDecoder(nn.Module):
             return self._logits(self._hidden(input_ids, position_ids, kv_cache, ctx)[:, -1])
         ctx = ChunkContext.build(position_ids, slot_mapping, block_table, block, self.windows)
         h = self._hidden(input_ids, position_ids, kv_cache, ctx, image_rows)
+        if spec.kind is GraphKind.VERIFICATION:  # every column of every row; the runtime keeps the real ones
+            return self._logits(h)
         if spec.all_rows:  # prompt logprobs: every column; the runtime keeps the real ones (actual-tokens mask)
             return self._logits(h[0])
         last = torch.argmax(position_ids[0]).reshape(1)  # invariant 5: max position = last real token
@@ -228,6 +231,21 @@ class TokenGenerationGraph(_Graph):
         return sample_tokens(logits, temperature, top_k, top_p, uniforms, self.max_topk)
 
 
+class VerificationGraph(_Graph):
+    """Exportable signature of the verification graph: each row's last token and proposed tokens -> every column's
+    logits ``[B, K + 1, V]``."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache: list[torch.Tensor],
+        block_table: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.decoder(self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table)
+
+
 def graph_module(decoder: StaticDecoder, spec: GraphSpec) -> nn.Module:
     """The module to trace or run for graph ``spec.kind``."""
     if spec.kind is GraphKind.VISION_ENCODER:
@@ -236,4 +254,6 @@ def graph_module(decoder: StaticDecoder, spec: GraphSpec) -> nn.Module:
         return VisionEncoderGraph(decoder)
     if spec.kind is GraphKind.TOKEN_GENERATION:
         return TokenGenerationGraph(decoder, spec)
+    if spec.kind is GraphKind.VERIFICATION:
+        return VerificationGraph(decoder, spec)
     return ImagePrefillGraph(decoder, spec) if spec.images else PrefillGraph(decoder, spec)

@@ -75,21 +75,54 @@ class Admission:
                 f"0 ({sequence.pending} tokens), or re-export with --prefill_chunk_size C."
             )
 
+    def check_drafts(self, sequence: Seq, count: int, drafts: Sequence[int]) -> list[int]:
+        """``drafts``, tokens proposed after decoding ``sequence``'s last one (``count``: its scheduled tokens, 1), as
+        a list of ints cut to the positions the sequence has left and to its ``max_tokens`` (a proposed token past
+        either could never be kept); `InputError` unless the artifact's verification graph can check them."""
+        name, most = sequence.seq_id, self.config.speculation_length
+        if not most:
+            raise InputError(
+                "this artifact has no verification graph: re-export with --speculation_length K to verify proposed "
+                "tokens (speculative decoding)."
+            )
+        if len(drafts) > most:
+            raise InputError(
+                f"{len(drafts)} tokens proposed for sequence {name!r}, but the artifact verifies at most {most} per "
+                f"step: propose at most {most}, or re-export with a larger --speculation_length."
+            )
+        if not (sequence.decoding and count == 1):
+            raise InputError(
+                f"sequence {name!r} is not decoding one token: tokens can be proposed only after its last sampled one."
+            )
+        if sequence.sampler.params.host is not None:
+            raise InputError(f"sequence {name!r} is sampled by a HostSampler, which cannot verify proposed tokens.")
+        ids = self._vocabulary_ids(drafts, "proposed")
+        room = self.config.sequence_length - sequence.computed - 1
+        cap = sequence.sampler.params.max_tokens
+        left = room if cap is None else min(room, cap - len(sequence.generated) - 1)
+        return ids[: max(left, 0)]
+
     def checked_prompt(self, prompt: Sequence[int]) -> list[int]:
         """``prompt`` as a list of ints; `InputError` unless it fits a slot and holds only vocabulary ids."""
-        limit, vocab = self.config.sequence_length, self.vocab_size
+        limit = self.config.sequence_length
         if not 1 <= len(prompt) <= limit:
             raise InputError(
                 f"prompt of {len(prompt)} tokens does not fit: this artifact holds 1 to {limit} tokens per sequence; "
                 "shorten the prompt or re-export with a larger --sequence_length."
             )
+        return self._vocabulary_ids(prompt, "prompt")
+
+    def _vocabulary_ids(self, ids: Sequence[int], what: str) -> list[int]:
+        """``ids`` as a list of ints; `InputError` (about the ``what`` token ids) unless each is a vocabulary id."""
         try:
-            tokens = [operator.index(t) for t in prompt]
+            tokens = [operator.index(t) for t in ids]
         except TypeError as err:
-            raise InputError(f"prompt token ids must be integers ({err}).") from err
-        bad = [t for t in tokens if not 0 <= t < vocab]
+            raise InputError(f"{what} token ids must be integers ({err}).") from err
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
-            raise InputError(f"prompt token ids {bad[:5]} are not ids of this model's vocabulary (0..{vocab - 1}).")
+            raise InputError(
+                f"{what} token ids {bad[:5]} are not ids of this model's vocabulary (0..{self.vocab_size - 1})."
+            )
         return tokens
 
 

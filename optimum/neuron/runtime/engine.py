@@ -36,15 +36,29 @@ from .admission import Admission
 from .blocks import BlockPool
 from .images import ImageInput, SequenceImages
 from .logprobs import PromptScorer
-from .padding import DecodeRow, chunk_slots, decode_rows, pad_chunk, pad_image_rows, pad_tiles, split_chunks, table_rows
+from .padding import (
+    DecodeRow,
+    VerifyRow,
+    chunk_slots,
+    decode_rows,
+    pad_chunk,
+    pad_image_rows,
+    pad_tiles,
+    split_chunks,
+    table_rows,
+    verify_rows,
+)
 from .parallel import tensor_parallel_rank
 from .placement import CallerPlacement, Placement, PooledPlacement, place, placement_for
 from .sampling import HostSampler, SamplingParams, SequenceSampler, sample_on_host, sampling_tensors
 from .sequence import Checkpoint, SeqId, Sequence, StepResult
 from .slots import SlotTable
+from .speculation import accept
 
 HostRows = dict[int, tuple[Sequence, torch.Tensor]]
 """Slot -> (sequence, logits row) of the tokens a `HostSampler` picks at the end of a step."""
+Drafts = dict[SeqId, list[int]]
+"""Sequence -> the tokens proposed after its last one (speculative decoding), as `Admission.check_drafts` kept them."""
 
 
 class Engine:
@@ -229,22 +243,30 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------------------
 
-    def step(self, work: Mapping[Any, int], sampler: HostSampler | None = None) -> StepResult:
+    def step(
+        self,
+        work: Mapping[Any, int],
+        sampler: HostSampler | None = None,
+        drafts: Mapping[Any, Seq[int]] | None = None,
+    ) -> StepResult:
         """Feed ``work[seq_id]`` pending tokens of each sequence: one token-generation call for every
         sequence that is decoding, then the prefill graph for every other range. Returns the tokens
         sampled, and the logits, logprobs and prompt logprobs asked for. ``sampler`` picks the tokens of the
-        sequences whose parameters carry its own (vLLM's sampler), all of them in one call at the end.
+        sequences whose parameters carry its own (vLLM's sampler), all of them in one call at the end. ``drafts``
+        gives decoding sequences tokens proposed after their last one (speculative decoding): the decodes then run
+        as one verification call instead, each sequence keeping the proposed tokens the model agrees with and one
+        token of its own (`runtime.speculation`).
 
         Atomic: it returns, or raises leaving every sequence exactly as before the call (tokens, ``computed``,
         generator state, prompt scorer, cached image rows: a `Checkpoint` of each scheduled sequence is restored), so
         the same step can be retried. Cache rows a failed step wrote lie at or past each sequence's restored
         ``computed``, where nothing reads before the retry writes them again; blocks the step gave a sequence stay
         with it (the retry uses them). After a step, the blocks it filled are registered for prefix caching."""
-        decodes, prefills = self._plan(work, sampler)
+        decodes, prefills, proposed = self._plan(work, sampler, drafts or {})
         stepped = [*decodes, *(s for s, _ in prefills)]
         saved = [Checkpoint.of(s) for s in stepped]
         try:
-            result = self._run(decodes, prefills, sampler)
+            result = self._run(decodes, prefills, sampler, proposed)
         except BaseException:
             for checkpoint in saved:
                 checkpoint.restore()
@@ -254,12 +276,18 @@ class Engine:
         return result
 
     def _run(
-        self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]], sampler: HostSampler | None
+        self,
+        decodes: list[Sequence],
+        prefills: list[tuple[Sequence, int]],
+        sampler: HostSampler | None,
+        proposed: Drafts,
     ) -> StepResult:
         """The body of `step`, on the work `_plan` accepted."""
         result = StepResult()
         host: HostRows = {}
-        if decodes:
+        if decodes and proposed:
+            self._verify(decodes, proposed, result, host)
+        elif decodes:
             self._decode(decodes, result, host)
         for sequence, count in prefills:
             self._prefill(sequence, count, result, host)
@@ -269,22 +297,29 @@ class Engine:
         return result
 
     def _plan(
-        self, work: Mapping[Any, int], sampler: HostSampler | None
-    ) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-        """Split ``work`` into decodes and prefill ranges, refusing any that the graphs cannot run, and give each
-        sequence the blocks its positions need."""
-        decodes, prefills = [], []
+        self, work: Mapping[Any, int], sampler: HostSampler | None, drafts: Mapping[Any, Seq[int]]
+    ) -> tuple[list[Sequence], list[tuple[Sequence, int]], Drafts]:
+        """Split ``work`` into decodes and prefill ranges, and keep the proposed tokens of the decodes (only the
+        non-empty lists), refusing any that the graphs cannot run; give each sequence the blocks its positions
+        need."""
+        decodes, prefills, proposed = [], [], {}
+        unscheduled = [seq_id for seq_id in drafts if seq_id not in work]
+        if unscheduled:
+            raise InputError(f"tokens were proposed for {unscheduled!r}, which this step does not schedule.")
         for seq_id, count in work.items():
             sequence = self.sequence(seq_id)
             self.admission.check_work(sequence, count)
-            self.placement.ensure(sequence, sequence.computed + count)
+            kept = self.admission.check_drafts(sequence, count, drafts[seq_id]) if drafts.get(seq_id) else []
+            if kept:
+                proposed[seq_id] = kept
+            self.placement.ensure(sequence, sequence.computed + count + len(kept))
             if sampler is None and sequence.sampler.params.host is not None:
                 raise InputError(f"sequence {seq_id!r} is sampled by a HostSampler: pass one to step().")
             if sequence.decoding and count == 1:
                 decodes.append(sequence)
             else:
                 prefills.append((sequence, count))
-        return decodes, prefills
+        return decodes, prefills, proposed
 
     def _decode(self, decodes: list[Sequence], result: StepResult, host: HostRows) -> None:
         """One token-generation call: row b is the sequence holding slot b; rows without a decoding sequence write to
@@ -312,6 +347,36 @@ class Engine:
                 host[slot] = (sequence, logits[slot])
             sequence.computed += 1
             result.decodes.append(sequence.seq_id)
+
+    def _verify(self, decodes: list[Sequence], proposed: Drafts, result: StepResult, host: HostRows) -> None:
+        """One verification call for every decoding sequence: row b feeds the last token of the sequence holding slot
+        b and the tokens proposed after it (none for some rows), then keeps what `speculation.accept` keeps. A row
+        without a decoding sequence writes to the scratch block (invariant 9); a host-sampled sequence (never given
+        drafts) has its first row's logits, the ones the token-generation graph would return, sampled by the
+        HostSampler."""
+        by_slot = {_held(s): s for s in decodes}
+        reach = max(s.computed + len(proposed.get(s.seq_id, ())) + 1 for s in decodes)
+        spec, window, _ = self._graph(GraphKind.VERIFICATION, reach)
+        active = {
+            slot: VerifyRow([s.tokens[-1], *proposed.get(s.seq_id, ())], s.computed, s.blocks)
+            for slot, s in by_slot.items()
+        }
+        width = window // self.block_size
+        inputs = verify_rows(self.config.batch_size, active, spec.tokens, width, self.block_size)
+        logits = self._call(spec, inputs).float().cpu()
+        for slot, sequence in by_slot.items():
+            result.decodes.append(sequence.seq_id)
+            if sequence.sampler.params.host is not None:
+                host[slot] = (sequence, logits[slot, 0])
+                sequence.computed += 1
+                continue
+            drafts = proposed.get(sequence.seq_id, [])
+            kept = accept(logits[slot], drafts, sequence.sampler, self.config.max_topk)
+            for token, row in kept:
+                result.append(sequence, token, row)
+            sequence.computed += len(kept)
+            if drafts:
+                result.accepted[sequence.seq_id] = len(kept) - 1
 
     def _prefill(self, sequence: Sequence, count: int, result: StepResult, host: HostRows) -> None:
         """Prefill ``count`` pending tokens chunk by chunk (a chunk holding prompt rows to score runs the graph

@@ -1,6 +1,7 @@
 """HF-style generation as a thin adapter over the `Engine`: admit every prompt, prefill them all in one
 step, then one decode step at a time until each sequence stops (an EOS id, ``max_new_tokens``, or a
-full KV slot). Row ``i`` samples with ``seed + i`` (modulo ``2**63``) when a seed is given. Every argument is
+full KV slot); with prompt lookup, each decode step verifies the tokens `speculation.propose_lookup` proposes.
+Row ``i`` samples with ``seed + i`` (modulo ``2**63``) when a seed is given. Every argument is
 checked before a slot is taken. `score_prompts` scores texts with
 the same engine path (prompt logprobs)."""
 
@@ -18,6 +19,7 @@ from .images import ImageInput
 from .logprobs import Logprobs
 from .sampling import SEED_LIMIT, SamplingParams, checked_count
 from .sequence import Sequence
+from .speculation import propose_lookup
 
 
 @dataclass
@@ -38,13 +40,16 @@ def generate(
     eos_token_ids: set[int],
     images: Seq[Seq[ImageInput]] | None = None,
     use_prefix_cache: bool = True,
+    prompt_lookup: int = 0,
 ) -> Generation:
     """New tokens (and, with ``params.return_logits``, their logits) for each prompt (``images[i]``: the images of
     prompt i, image-text artifacts). Each sequence takes, when admitted, the KV blocks of its whole run (prompt and
     ``max_new_tokens``), so a full pool is refused before anything runs; the blocks of a prompt prefix an earlier call
-    computed are reused unless ``use_prefix_cache`` is off. Every slot and block taken is given back, whatever
-    happens."""
+    computed are reused unless ``use_prefix_cache`` is off. With ``prompt_lookup`` k > 0 (an artifact exported with
+    ``--speculation_length`` K >= k), each decode step verifies up to k tokens proposed by prompt lookup: the same
+    tokens, fewer steps. Every slot and block taken is given back, whatever happens."""
     _check_batch(engine, prompts, max_new_tokens)
+    _check_lookup(engine, prompt_lookup)
     call = object()  # this call's sequence ids cannot clash with anyone else's
     ids = [(call, row) for row in range(len(prompts))]
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -61,12 +66,15 @@ def generate(
             for row, p in enumerate(prompts)
         ]
         work = {s.seq_id: s.pending for s in sequences}
+        drafts: dict[object, list[int]] = {}
         while work:
-            result = engine.step(work)
+            result = engine.step(work, drafts=drafts)
             for row, seq_id in enumerate(ids):
-                if seq_id in result.logits and params.return_logits:
-                    logits[row].append(result.logits[seq_id])
-            work = {s.seq_id: 1 for s in sequences if not _stopped(s, max_new_tokens, eos_token_ids)}
+                if params.return_logits:
+                    logits[row].extend(result.token_logits.get(seq_id, []))
+            going = [s for s in sequences if not _stopped(s, max_new_tokens, eos_token_ids)]
+            work = {s.seq_id: 1 for s in going}
+            drafts = {s.seq_id: _proposal(s, prompt_lookup, max_new_tokens, eos_token_ids) for s in going}
     finally:
         for seq_id in ids:
             engine.release(seq_id)
@@ -116,6 +124,25 @@ def _check_batch(engine: Engine, prompts: Seq[Seq[int]], max_new_tokens: int) ->
             f"{engine.config.batch_size}): pass fewer prompts or re-export with a larger --batch_size."
         )
     checked_count("max_new_tokens", max_new_tokens, note=" (transformers' generate refuses 0 too)")
+
+
+def _check_lookup(engine: Engine, prompt_lookup: int) -> None:
+    if not prompt_lookup:
+        return
+    checked_count("prompt_lookup_num_tokens", prompt_lookup)
+    most = engine.config.speculation_length
+    if prompt_lookup > most:
+        raise InputError(
+            f"prompt_lookup_num_tokens={prompt_lookup}, but the artifact verifies at most {most} proposed tokens per "
+            f"step: pass at most {most}, or re-export with --speculation_length {prompt_lookup}."
+        )
+
+
+def _proposal(sequence: Sequence, most: int, max_new_tokens: int, eos_token_ids: set[int]) -> list[int]:
+    """Prompt lookup's proposal for ``sequence`` (none without ``most``), cut so that every proposed token, then the
+    model's own one, fits in ``max_new_tokens``."""
+    room = min(most, max_new_tokens - len(sequence.generated) - 1)
+    return propose_lookup(sequence.tokens, room, eos_token_ids) if most else []
 
 
 def _row_params(params: SamplingParams, row: int) -> SamplingParams:

@@ -91,6 +91,39 @@ def decode_rows(batch_size: int, active: dict[int, DecodeRow], width: int, block
     }
 
 
+class VerifyRow(NamedTuple):
+    """One decoding sequence's row of the verification graph: its last token and the tokens proposed after it,
+    starting at cache position ``position``."""
+
+    tokens: Sequence[int]
+    position: int
+    blocks: Sequence[int]
+
+
+def verify_rows(
+    batch_size: int, active: dict[int, VerifyRow], columns: int, width: int, block_size: int
+) -> dict[str, torch.Tensor]:
+    """Inputs of the verification graph (``input_ids``, ``position_ids``, ``slot_mapping`` ``[B, columns]`` and
+    ``block_table [B, width]``): row ``b`` holds ``active[b]``'s tokens padded like a prefill chunk (`pad_chunk`: the
+    last real token and position repeated, the padded columns written to the scratch block); every other row is token
+    0 at position 0, written to and reading only the scratch block (invariant 9)."""
+    ids = torch.zeros(batch_size, columns, dtype=torch.long)
+    positions = torch.zeros(batch_size, columns, dtype=torch.long)
+    slots = torch.full((batch_size, columns), SCRATCH_SLOT, dtype=torch.long)
+    tables: list[Sequence[int] | None] = [None] * batch_size
+    for row, (tokens, position, blocks) in active.items():
+        row_ids, row_positions = pad_chunk(list(tokens), position, columns)
+        ids[row], positions[row] = row_ids[0], row_positions[0]
+        slots[row] = chunk_slots(blocks, position, len(tokens), columns, block_size)[0]
+        tables[row] = blocks
+    return {
+        "input_ids": ids,
+        "position_ids": positions,
+        "slot_mapping": slots,
+        "block_table": table_rows(tables, width),
+    }
+
+
 def pad_tiles(pixels: torch.Tensor, size: int) -> list[torch.Tensor]:
     """An image's tiles ``[t, 3, S, S]`` in vision-encoder batches of ``size`` tiles, the last one filled with zero
     tiles: tiles never see each other, so a filler tile changes no real tile's rows (the caller drops its rows)."""

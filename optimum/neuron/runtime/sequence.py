@@ -86,8 +86,14 @@ class StepResult:
     prompt_logprobs: dict[SeqId, Logprobs] = field(default_factory=dict)
     """For each sequence that asks prompt logprobs, at the step its prompt is all in the cache (the step that samples
     its first token): one row per prompt token but the first."""
+    token_logits: dict[SeqId, list[torch.Tensor]] = field(default_factory=dict)
+    """The logits of every token above and before it that this step appended to a sequence, in order, when they
+    reached the host: one row per token (several when a verification call kept proposed tokens)."""
+    accepted: dict[SeqId, int] = field(default_factory=dict)
+    """For each sequence whose proposed tokens a verification call checked: how many it kept (its new tokens this
+    step are those, then the one in ``tokens``)."""
     decodes: list[SeqId] = field(default_factory=list)
-    """Sequences fed through the token-generation graph, in row order."""
+    """Sequences fed through the token-generation (or verification) graph, in row order."""
     prefills: list[tuple[SeqId, int, int]] = field(default_factory=list)
     """``(seq_id, start, count)`` of every prefill range, in the order they ran."""
     encoded: list[tuple[SeqId, int]] = field(default_factory=list)
@@ -104,6 +110,7 @@ class StepResult:
         if logits is None:
             return
         self.logits[sequence.seq_id] = logits
+        self.token_logits.setdefault(sequence.seq_id, []).append(logits)
         top = sequence.sampler.params.logprobs
         if top is not None:
             basis = logits if scored is None else scored

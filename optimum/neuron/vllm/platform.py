@@ -132,6 +132,17 @@ def check_sampling_config(model_config: Any) -> None:
         )
 
 
+def check_speculation(vllm_config: Any) -> None:
+    """Refuse vLLM's speculative decoding: the verification graph (``--speculation_length``) serves ``generate()``'s
+    prompt lookup, but the worker does not run vLLM's proposers and rejection sampler on it yet."""
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise IncompatibleConfigError(
+            "speculative decoding through vLLM (--speculative-config) is not supported by optimum-neuronx yet: drop "
+            "--speculative-config (an artifact exported with --speculation_length K speculates in "
+            "NeuronModelForCausalLM.generate(prompt_lookup_num_tokens=k), docs/speculative.md)."
+        )
+
+
 class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
     """Out-of-tree vLLM platform for optimum-neuronx artifacts (verified for CPU artifacts; it declares a CPU
     device, so serving a CUDA artifact is neither written nor run: docs/cuda.md)."""
@@ -209,6 +220,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         if neuron.tp_degree > 1:  # the heads its graphs compute, padded where they do not split (recorded at export)
             compat.set_served_heads(vllm_config.model_config, *served_heads(neuron))
         check_sampling_config(vllm_config.model_config)
+        check_speculation(vllm_config)
         vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
         asked = self._take_asked(vllm_config)
         vllm_config.scheduler_config.async_scheduling = async_scheduling(neuron, asked.async_scheduling)

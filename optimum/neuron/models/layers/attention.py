@@ -129,13 +129,14 @@ class DecodeContext:
 
 @dataclass
 class ChunkContext:
-    """A prefill chunk of one sequence; keys are ``[its KV window | the chunk]``; each column writes at
-    ``slots[0, t]`` (padded columns: the scratch block, invariant 4)."""
+    """A prefill chunk of one sequence (``B = 1``), or the tokens of each row of a verification call (row ``b``: a
+    sequence's last token and the tokens proposed after it); keys are ``[its KV window | the row's tokens]``; each
+    column writes at ``slots[b, t]`` (padded columns: the scratch block, invariant 4)."""
 
-    slots: torch.Tensor  # [1, C]
-    table: torch.Tensor | None  # [1, W / block_size]; None: no earlier cache is read (context encoding)
+    slots: torch.Tensor  # [B, C]
+    table: torch.Tensor | None  # [B, W / block_size]; None: no earlier cache is read (context encoding)
     block_size: int
-    mask: torch.Tensor  # [1, 1, C, W + C] or [1, 1, C, C]
+    mask: torch.Tensor  # [B, 1, C, W + C] or [B, 1, C, C]
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask
 
     @classmethod

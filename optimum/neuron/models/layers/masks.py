@@ -28,22 +28,22 @@ def actual_tokens_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_mask(position_ids: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
-    """Mask of a prefill chunk ``position_ids [1, C]`` over keys ``[cache window | chunk (C)]``, the window's cache
-    positions being ``keys [W]`` (``None``: the graph reads no earlier cache).
+    """Mask of chunks ``position_ids [B, C]`` (one prefill chunk, ``B = 1``; or each row's tokens of a verification
+    call) over keys ``[cache window | chunk (C)]``, the window's cache positions being ``keys [W]`` (``None``: the
+    graph reads no earlier cache).
 
-    A query attends to its sequence's cache positions before the chunk's first position, and to chunk keys that are
-    causal and real. A padded query (duplicate of the last real
-    token) therefore sees exactly the keys the real last token sees. Result: ``[1, 1, C, W + C]`` (or
-    ``[1, 1, C, C]`` without ``keys``).
+    A query attends to its sequence's cache positions before its row's first position, and to its row's keys that
+    are causal and real. A padded query (duplicate of the last real token) therefore sees exactly the keys the real
+    last token sees. Result: ``[B, 1, C, W + C]`` (or ``[B, 1, C, C]`` without ``keys``).
     """
     tokens = position_ids.shape[1]
     index = torch.arange(tokens, device=position_ids.device)
     causal = index[None, :] <= index[:, None]
-    inside = causal & actual_tokens_mask(position_ids)[0][None, :]
+    inside = causal[None] & actual_tokens_mask(position_ids)[:, None, :]
     if keys is None:
-        return inside[None, None]
-    prior = (keys < position_ids[0, 0])[None, :].expand(tokens, keys.shape[0])
-    return torch.cat((prior, inside), dim=1)[None, None]
+        return inside[:, None]
+    prior = (keys[None, None, :] < position_ids[:, :1, None]).expand(-1, tokens, -1)
+    return torch.cat((prior, inside), dim=2)[:, None]
 
 
 def decode_mask(position_ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -53,16 +53,18 @@ def decode_mask(position_ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def within_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
-    """The sliding-window rule: ``[B, T]`` query positions x ``[K]`` key positions -> ``[B, 1, T, K]``, True
-    where ``key > query - window``: the lower end of the window ``(query - window, query]`` (its upper end,
-    causality, is the rule of `chunk_mask` and `decode_mask`)."""
-    return (key_positions[None, None, :] > query_positions[:, :, None] - window)[:, None]
+    """The sliding-window rule: ``[B, T]`` query positions x key positions (``[K]`` shared by every row, or ``[B, K]``)
+    -> ``[B, 1, T, K]``, True where ``key > query - window``: the lower end of the window ``(query - window, query]``
+    (its upper end, causality, is the rule of `chunk_mask` and `decode_mask`)."""
+    keys = key_positions if key_positions.dim() == 2 else key_positions[None]
+    return (keys[:, None, :] > query_positions[:, :, None] - window)[:, None]
 
 
 def chunk_window_mask(position_ids: torch.Tensor, keys: torch.Tensor | None, window: int) -> torch.Tensor:
     """`chunk_mask` of a sliding-window layer: keys ``[cache window (keys) | chunk (C)]`` are also limited to
     the ``window`` positions ending at each query's own. Same shape as `chunk_mask`."""
-    all_keys = position_ids[0] if keys is None else torch.cat((keys, position_ids[0]))
+    rows = position_ids.shape[0]
+    all_keys = position_ids if keys is None else torch.cat((keys[None].expand(rows, -1), position_ids), dim=1)
     return chunk_mask(position_ids, keys) & within_window(position_ids, all_keys, window)
 
 

@@ -1,0 +1,189 @@
+"""Prompt-lookup speculative decoding on SmolLM2-135M-Instruct: ``generate(prompt_lookup_num_tokens=k)`` against
+plain generation, in one run.
+
+    .venv/bin/python -m benchmark.speculative [--quick] [--rounds N]
+
+Artifacts: fp32, inductor, S=1024, C=256, ``--speculation_length 6``, batch 1 and batch 8 (one verification graph each).
+Workloads, greedy, a fixed number of new tokens (EOS does not stop them):
+
+* **copy**: "Repeat the following passage exactly" over passages of the Python documentation (the stdlib's
+  ``pydoc_data.topics``): the output quotes its input, where prompt lookup finds what comes next;
+* **chat**: "Explain <topic> in two sentences.": little to copy, so proposals are rarely kept; speculation must not
+  cost much there.
+
+Per workload, batch and k (0: no speculation), in a fresh process after one warm-up call: output tokens per second
+(every prompt's new tokens over the wall time of the `generate` calls), and tokens per decode step (new tokens over
+the engine steps that decode). Every k's tokens are checked equal to k = 0's. Rounds interleave the k values.
+Results: ``benchmark/results/<machine>/speculative.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmark.machine import describe
+from benchmark.quantized import TOPICS
+
+RESULTS = Path(__file__).parent / "results"
+SEQUENCE_LENGTH, CHUNK, SPECULATION = 1024, 256, 6
+LOOKUPS = (0, 2, 4, 6)
+PASSAGE_WORDS = 90
+
+
+def export_for(model_dir: Path, batch: int) -> Path:
+    """The benchmarked artifact of batch ``batch`` (cached export)."""
+    from optimum.exporters.neuron.export import cached_export
+    from optimum.neuron.config import NeuronConfig
+
+    config = NeuronConfig(
+        batch_size=batch,
+        sequence_length=SEQUENCE_LENGTH,
+        prefill_chunk_size=CHUNK,
+        speculation_length=SPECULATION,
+        decode_logits=False,
+    )
+    return cached_export(model_dir, config)
+
+
+def passages(count: int) -> list[str]:
+    """``count`` passages of about `PASSAGE_WORDS` words of the Python documentation, in a fixed order."""
+    from pydoc_data.topics import topics
+
+    words = " ".join(topics[name] for name in sorted(topics)).split()
+    step = len(words) // count
+    return [" ".join(words[i * step : i * step + PASSAGE_WORDS]) for i in range(count)]
+
+
+def prompts(workload: str, count: int) -> list[str]:
+    """The user messages of ``workload``."""
+    if workload == "copy":
+        return [f"Repeat the following passage exactly, word for word:\n\n{text}" for text in passages(count)]
+    return [f"Explain {topic} in two sentences." for topic in TOPICS[:count]]
+
+
+def measure(artifact: str, workload: str, count: int, new: int, lookup: int) -> dict[str, Any]:
+    """Output tok/s and tokens per decode step of ``generate`` over ``count`` prompts of ``workload`` (batched by the
+    artifact's batch size), prompt lookup ``lookup`` (0: none); and the tokens."""
+    from transformers import AutoTokenizer
+
+    from optimum.neuron import NeuronModelForCausalLM
+
+    model = NeuronModelForCausalLM.from_pretrained(artifact)
+    tokenizer = AutoTokenizer.from_pretrained(artifact)
+    batch = model.engine.config.batch_size
+    engine, steps = model.engine, [0]
+    step = engine.step
+
+    def counted(work: Any, *args: Any, **kwargs: Any) -> Any:
+        steps[0] += all(n == 1 for n in work.values())
+        return step(work, *args, **kwargs)
+
+    def run(messages: list[str]) -> list[list[int]]:
+        chats = [[{"role": "user", "content": m}] for m in messages]
+        encoded: Any = tokenizer.apply_chat_template(
+            chats, add_generation_prompt=True, return_tensors="pt", padding=True, return_dict=True
+        )
+        ids, mask = encoded["input_ids"], encoded["attention_mask"]
+        extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[], **extra)
+        return list(out[:, ids.shape[1] :].tolist())
+
+    texts = prompts(workload, count)
+    run(texts[:batch])  # warm-up
+    engine.step = counted  # type: ignore[method-assign]
+    tokens: list[list[int]] = []
+    start = time.perf_counter()
+    for first in range(0, count, batch):
+        tokens.extend(run(texts[first : first + batch]))
+    seconds = time.perf_counter() - start
+    made = sum(map(len, tokens))
+    return {"tok_s": made / seconds, "tokens_per_step": made / max(steps[0], 1), "tokens": tokens}
+
+
+def run_fresh(spec: dict[str, Any]) -> dict[str, Any]:
+    """One `measure` in a fresh interpreter."""
+    cmd = [sys.executable, "-m", "benchmark.speculative", "--worker", json.dumps(spec)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{spec} failed:\n{done.stderr[-3000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="batch 1 only, 2 prompts of 32 tokens, k 0 and 4")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (each cell: the median)")
+    parser.add_argument("--new", type=int, default=96, help="new tokens per prompt")
+    parser.add_argument("--machine", default="cpu-2core", help="results subfolder name")
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(measure(**json.loads(args.worker))))
+        return
+    from optimum.neuron.progress import StepProgress
+    from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
+
+    batches, lookups, new = ((1,), (0, 4), 32) if args.quick else ((1, 8), LOOKUPS, args.new)
+    model_dir = convert_smollm2(default_smollm2_dir("fp32"), dtype="fp32")
+    artifacts = {batch: str(export_for(model_dir, batch)) for batch in batches}
+    cells = [(w, b, k) for w in ("copy", "chat") for b in batches for k in lookups]
+    samples: dict[str, list[dict[str, Any]]] = {}
+    with StepProgress("benchmark prompt-lookup speculation", args.rounds * len(cells)) as bar:
+        for _ in range(args.rounds):
+            for workload, batch, lookup in cells:
+                count = 2 if args.quick else (4 if batch == 1 else 8)
+                with bar.step(f"{workload}, batch {batch}, k {lookup}"):
+                    spec = {"artifact": artifacts[batch], "workload": workload, "count": count, "new": new}
+                    found = run_fresh({**spec, "lookup": lookup})
+                    samples.setdefault(f"{workload} b{batch} k{lookup}", []).append(found)
+    body = {"machine": describe(), "rounds": args.rounds, "new": new, "lookups": list(lookups), "cells": {}}
+    for key, runs in samples.items():
+        body["cells"][key] = {
+            "tok_s": statistics.median(r["tok_s"] for r in runs),
+            "tokens_per_step": statistics.median(r["tokens_per_step"] for r in runs),
+            "tokens": runs[0]["tokens"],
+        }
+    out = RESULTS / args.machine / ("speculative-quick.json" if args.quick else "speculative.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(body, indent=1))
+    out.with_suffix(".md").write_text(render(body, batches))
+    print(out.with_suffix(".md").read_text())
+
+
+def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
+    """The markdown report: per workload and batch, tok/s and tokens per step of each k against k = 0."""
+    cells = body["cells"]
+    lines = [
+        "# Prompt-lookup speculative decoding: SmolLM2-135M-Instruct fp32, inductor, CPU",
+        "",
+        "Command: `.venv/bin/python -m benchmark.speculative`. Machine: "
+        + ", ".join(f"{k} {v}" for k, v in body["machine"].items())
+        + f". S={SEQUENCE_LENGTH}, C={CHUNK}, `--speculation_length {SPECULATION}`; greedy, {body['new']} new tokens "
+        f"per prompt (EOS not stopping them); each cell in a fresh process, the median of {body['rounds']} "
+        "interleaved round(s).",
+        "",
+        "| workload | batch | k | output tok/s | x k=0 | tokens per decode step | tokens equal to k=0 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for workload in ("copy", "chat"):
+        for batch in batches:
+            base = cells[f"{workload} b{batch} k0"]
+            for lookup in body["lookups"]:
+                cell = cells[f"{workload} b{batch} k{lookup}"]
+                same = "yes" if cell["tokens"] == base["tokens"] else "NO"
+                lines.append(
+                    f"| {workload} | {batch} | {lookup} | {cell['tok_s']:.1f} | {cell['tok_s'] / base['tok_s']:.2f}x "
+                    f"| {cell['tokens_per_step']:.2f} | {same} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

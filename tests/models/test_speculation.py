@@ -1,0 +1,207 @@
+"""Speculative decoding on the verification graph (`--speculation_length 3`, issue 30).
+
+Proposed tokens are given to `Engine.step` by hand: the next tokens of transformers' own greedy run (all kept) or
+with one of them wrong (kept up to it, then the model's own token), so every test knows what must be kept. A sequence
+generates across a chunk seam (prompts of 10 tokens, chunks of 8) and the KV window edge at 16, and its later steps
+read the K/V its kept proposals wrote; the tokens must equal transformers' greedy ones for every family. Also: decodes
+with and without proposals beside a prefill in one step, seeded sampling through the verification graph (the same
+tokens as without it), `generate(prompt_lookup_num_tokens=k)` and the refusals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import pytest
+import torch
+
+from optimum.neuron.artifact import Artifact
+from optimum.neuron.errors import InputError
+from optimum.neuron.graphs import GraphKind
+from optimum.neuron.runtime.engine import Engine
+from optimum.neuron.runtime.sampling import SamplingParams
+from optimum.neuron.runtime.speculation import propose_lookup
+from tests.contract.engine_tools import GREEDY, Recorder, engine_for, prompt
+from tests.fixtures.llm.models import FAMILIES, export_fixture, fixture_named
+from tests.fixtures.llm.reference import hf_greedy, hf_sampled
+
+K = 3
+PLAN = (3, 1, 2, 3, 3, 2)
+"""Proposed tokens per decode step, in turn (capped by what is left to generate)."""
+WRONG_EVERY = 3
+"""Every third step's proposal has its last token wrong."""
+
+
+def spec_name(family: str, backend: str) -> str:
+    return f"{family}-2x4x8-spec{K}-{backend}"
+
+
+def spec_engine(family: str, backend: str) -> Engine:
+    return Engine(Artifact.open(export_fixture(spec_name(family, backend))))
+
+
+def proposal(reference: list[int], done: int, step: int) -> tuple[list[int], int]:
+    """The tokens proposed at decode step ``step`` of a sequence that generated ``done`` of ``reference``, and how
+    many of them must be kept."""
+    count = min(PLAN[step % len(PLAN)], len(reference) - done - 1)
+    drafts = list(reference[done : done + count])
+    if drafts and step % WRONG_EVERY == 1:
+        drafts[-1] = 3 + (drafts[-1] - 2) % 253  # another id of the tiny vocabulary (3..255)
+        return drafts, count - 1
+    return drafts, count
+
+
+def speculate(engine: Engine, seq_id: Hashable, ids: list[int], reference: list[int]) -> list[int]:
+    """Generate ``len(reference)`` tokens of ``ids`` greedily, each decode step proposing `proposal`'s tokens;
+    asserts that each step keeps exactly the right ones. Returns the tokens generated."""
+    engine.admit(seq_id, ids, GREEDY, reuse=False)
+    try:
+        engine.step({seq_id: len(ids)})
+        sequence, step = engine.sequence(seq_id), 0
+        while len(sequence.generated) < len(reference):
+            drafts, keep = proposal(reference, len(sequence.generated), step)
+            result = engine.step({seq_id: 1}, drafts={seq_id: drafts})
+            assert result.accepted.get(seq_id, 0) == keep, (step, drafts, sequence.generated)
+            if drafts:  # verified on the host: one logits row per new token
+                assert len(result.token_logits[seq_id]) == keep + 1
+            step += 1
+        return list(sequence.generated)
+    finally:
+        engine.release(seq_id)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kept_proposals_generate_transformers_tokens(family: str) -> None:
+    ids = prompt(10, seed=60)
+    reference = hf_greedy(fixture_named(spec_name(family, "eager")).model(), ids, 20)
+    assert speculate(spec_engine(family, "eager"), "s", ids, reference) == reference
+
+
+@pytest.mark.slow
+def test_inductor_verification_graph_generates_transformers_tokens() -> None:
+    engine = spec_engine("llama", "inductor")
+    recorder = Recorder(engine)
+    ids = prompt(10, seed=60)
+    reference = hf_greedy(fixture_named(spec_name("llama", "inductor")).model(), ids, 20)
+    assert speculate(engine, "s", ids, reference) == reference
+    windows = {window for name, window in recorder.windows() if name == "verification"}
+    assert windows == {16, 32}, "the verification graph runs in the smallest window covering each call"
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_decodes_with_and_without_proposals_beside_a_prefill(backend: str) -> None:
+    """Step 1: ``a`` prefills. Step 2: ``a`` decodes with proposals while ``b`` prefills its first chunk. Then both
+    decode in one verification call, ``a`` with proposals and ``b`` without; ``b``'s tokens and ``a``'s equal
+    transformers'."""
+    engine = spec_engine("llama", backend)
+    model = fixture_named(spec_name("llama", backend)).model()
+    a_ids, b_ids = prompt(6, seed=61), prompt(12, seed=62)
+    a_ref, b_ref = hf_greedy(model, a_ids, 22), hf_greedy(model, b_ids, 6)
+    engine.admit("a", a_ids, GREEDY, reuse=False)
+    engine.admit("b", b_ids, GREEDY, reuse=False)
+    engine.step({"a": len(a_ids)})
+    a, b = engine.sequence("a"), engine.sequence("b")
+    result = engine.step({"a": 1, "b": 8}, drafts={"a": a_ref[1:4]})
+    assert result.accepted["a"] == 3 and result.prefills == [("b", 0, 8)]
+    engine.step({"a": 1, "b": 4}, drafts={"a": a_ref[5:7]})
+    while len(b.generated) < len(b_ref):
+        drafts = a_ref[len(a.generated) : len(a.generated) + 1]
+        result = engine.step({"a": 1, "b": 1}, drafts={"a": drafts} if drafts else {})
+        assert "b" not in result.accepted
+    assert b.generated == b_ref and a.generated == a_ref[: len(a.generated)]
+
+
+def test_seeded_sampling_through_the_verification_graph_draws_the_tokens_it_draws_without() -> None:
+    """Each token is sampled from its row with the uniform it would have had without speculation, so proposing the
+    tokens a sampled run draws (one wrong in three proposals) keeps them and draws the same ones."""
+    engine = spec_engine("llama", "eager")
+    model = fixture_named(spec_name("llama", "eager")).model()
+    params = SamplingParams(do_sample=True, temperature=0.8, top_k=50, seed=7)
+    ids = prompt(10, seed=63)
+    reference = hf_sampled(model, ids, 16, params, engine.config.max_topk)
+    engine.admit("s", ids, params, reuse=False)
+    engine.step({"s": len(ids)})
+    sequence, step = engine.sequence("s"), 0
+    while len(sequence.generated) < len(reference):
+        drafts, keep = proposal(reference, len(sequence.generated), step)
+        assert engine.step({"s": 1}, drafts={"s": drafts}).accepted.get("s", 0) == keep
+        step += 1
+    assert sequence.generated == reference
+
+
+def test_generate_with_prompt_lookup_equals_generate_without() -> None:
+    from optimum.neuron import NeuronModelForCausalLM
+
+    model = NeuronModelForCausalLM.from_pretrained(export_fixture(spec_name("llama", "eager")))
+    recorder = Recorder(model.engine)
+    ids = torch.tensor([prompt(5, seed=64) * 2 + prompt(3, seed=65)])  # its last bigram never recurs: no proposal yet
+    plain = model.generate(ids, max_new_tokens=14)
+    assert all(name != "verification" for name, _ in recorder.calls)
+    looked = model.generate(ids, max_new_tokens=14, prompt_lookup_num_tokens=K)
+    assert looked.tolist() == plain.tolist()
+    reference = hf_greedy(fixture_named(spec_name("llama", "eager")).model(), ids[0].tolist(), 14)
+    assert looked[0, ids.shape[1] :].tolist() == reference
+    tokens = ids[0].tolist() + reference
+    proposed = [propose_lookup(tokens[:n], K, set()) for n in range(ids.shape[1] + 1, len(tokens))]
+    assert any(proposed), "the prompt gives prompt lookup something to propose"
+    assert any(name == "verification" for name, _ in recorder.calls)
+
+
+def test_proposals_past_the_sequence_length_or_max_tokens_are_cut() -> None:
+    engine = spec_engine("llama", "eager")
+    ids = prompt(28, seed=66)
+    engine.admit("full", ids, GREEDY, reuse=False)
+    engine.step({"full": len(ids)})  # computed 28 of 32: room for the last token and 3 more positions
+    sequence = engine.sequence("full")
+    result = engine.step({"full": 1}, drafts={"full": [5, 6, 7]})
+    assert sequence.computed <= engine.config.sequence_length and result.accepted["full"] <= 2
+    engine.release("full")
+    engine.admit("short", prompt(6, seed=67), SamplingParams(max_tokens=2), reuse=False)
+    engine.step({"short": 6})
+    result = engine.step({"short": 1}, drafts={"short": [5, 6, 7]})  # its last token: nothing left to propose
+    assert "short" not in result.accepted and len(engine.sequence("short").generated) == 2
+
+
+def test_refusals_name_the_fix_and_change_nothing() -> None:
+    engine = spec_engine("llama", "eager")
+    ids = prompt(10, seed=68)
+    engine.admit("a", ids, GREEDY, reuse=False)
+    engine.admit("b", prompt(12, seed=69), GREEDY, reuse=False)
+    with pytest.raises(InputError, match="not decoding"):
+        engine.step({"a": len(ids)}, drafts={"a": [5]})
+    engine.step({"a": len(ids)})
+    sequence = engine.sequence("a")
+    before = (list(sequence.tokens), sequence.computed, list(sequence.blocks))
+    with pytest.raises(InputError, match="--speculation_length"):
+        engine.step({"a": 1}, drafts={"a": [5, 6, 7, 8]})
+    with pytest.raises(InputError, match="does not schedule"):
+        engine.step({"a": 1}, drafts={"b": [5]})
+    with pytest.raises(InputError, match="proposed token ids"):
+        engine.step({"a": 1}, drafts={"a": [10_000]})
+    assert (list(sequence.tokens), sequence.computed, list(sequence.blocks)) == before
+    engine.step({"a": 1}, drafts={"a": [5]})  # the same sequence still steps
+    plain = engine_for("eager")
+    plain.admit("p", ids, GREEDY, reuse=False)
+    plain.step({"p": len(ids)})
+    with pytest.raises(InputError, match="--speculation_length"):
+        plain.step({"p": 1}, drafts={"p": [5]})
+
+
+def test_generate_refuses_more_lookup_tokens_than_the_artifact_verifies() -> None:
+    from optimum.neuron import NeuronModelForCausalLM
+
+    ids = torch.tensor([prompt(6, seed=70)])
+    model = NeuronModelForCausalLM.from_pretrained(export_fixture(spec_name("llama", "eager")))
+    with pytest.raises(InputError, match=f"--speculation_length {K + 1}"):
+        model.generate(ids, max_new_tokens=4, prompt_lookup_num_tokens=K + 1)
+    plain = NeuronModelForCausalLM.from_pretrained(export_fixture("llama-2x4x8-eager"))
+    with pytest.raises(InputError, match="--speculation_length"):
+        plain.generate(ids, max_new_tokens=4, prompt_lookup_num_tokens=1)
+    assert plain.engine.slots.free_count == plain.neuron_config.batch_size
+
+
+def test_verification_graph_signature() -> None:
+    engine = spec_engine("llama", "eager")
+    spec = engine.specs["verification"]
+    assert spec.kind is GraphKind.VERIFICATION and (spec.batch, spec.tokens) == (2, K + 1)
+    assert not spec.samples_on_device and spec.windows == (16, 32)
