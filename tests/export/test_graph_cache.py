@@ -79,6 +79,7 @@ def greedy(artifact: Path, new: int = 6) -> list[int]:
 
 def test_graph_fields_leave_out_what_the_spec_carries() -> None:
     assert graph_fields(config()) == graph_fields(config(prefill_chunk_size=16, decode_logits=True))
+    assert graph_fields(config()) == graph_fields(config(speculation_length=3)), "a verification graph more, no other"
     assert graph_fields(config()) != graph_fields(config(batch_size=3))  # the cache rows every graph writes
     assert "prefill_chunk_size" not in graph_fields(config()) and "batch_size" in graph_fields(config())
 

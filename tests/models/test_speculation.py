@@ -205,3 +205,11 @@ def test_verification_graph_signature() -> None:
     spec = engine.specs["verification"]
     assert spec.kind is GraphKind.VERIFICATION and (spec.batch, spec.tokens) == (2, K + 1)
     assert not spec.samples_on_device and spec.windows == (16, 32)
+    from optimum.neuron.config import NeuronConfig
+    from optimum.neuron.graphs import graph_specs
+
+    xla = NeuronConfig(sequence_length=32, prefill_chunk_size=8, kv_buckets="16", speculation_length=2, backend="xla")
+    names = [s.name for s in graph_specs(xla) if s.kind is GraphKind.VERIFICATION]
+    assert names == ["verification_w16", "verification"], "a static-shape backend compiles one per KV window"
+    with pytest.raises(Exception, match="--speculation_length"):
+        NeuronConfig(sequence_length=32, speculation_length=32)
