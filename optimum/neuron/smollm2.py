@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import importlib.util
 import json
 import os
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .cache_dir import cache_lock
 from .errors import ArtifactError, IncompatibleConfigError, NeuronError, WeightLoadingError
 from .progress import StepProgress
 
@@ -115,12 +117,21 @@ def convert_smollm2(output_dir: str | Path, dtype: str = "float32", force: bool 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # an interrupted conversion leaves nothing behind
         raise
-    if not force and is_converted(out, dtype):  # another process finished the same conversion meanwhile
-        shutil.rmtree(staging, ignore_errors=True)
-        return out
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
+    with cache_lock(_swap_lock(out)):  # one process at a time swaps its conversion in
+        if not force and is_converted(out, dtype):  # another process finished the same conversion meanwhile
+            shutil.rmtree(staging, ignore_errors=True)
+            return out
+        shutil.rmtree(out, ignore_errors=True)
+        staging.rename(out)
     return out
+
+
+def _swap_lock(out: Path) -> Path:
+    """The lock file of the folder ``out`` (in the cache, not beside the user's folder)."""
+    from .cache_dir import cache_root
+
+    digest = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
+    return cache_root() / "locks" / f"smollm2-{digest}.lock"
 
 
 def _check_replaceable(out: Path) -> None:
