@@ -178,7 +178,8 @@ class _Graph(nn.Module):
 
 
 class PrefillGraph(_Graph):
-    """Exportable signature of the context-encoding and chunked-prefill graphs of a text artifact."""
+    """Exportable signature of the context-encoding and chunked-prefill graphs of a text artifact, and of the
+    verification graph (the same inputs, ``[batch_size, K + 1]``, with a block table)."""
 
     def forward(
         self,
@@ -231,21 +232,6 @@ class TokenGenerationGraph(_Graph):
         return sample_tokens(logits, temperature, top_k, top_p, uniforms, self.max_topk)
 
 
-class VerificationGraph(_Graph):
-    """Exportable signature of the verification graph: each row's last token and proposed tokens -> every column's
-    logits ``[B, K + 1, V]``."""
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        kv_cache: list[torch.Tensor],
-        block_table: torch.Tensor,
-    ) -> torch.Tensor:
-        return self.decoder(self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table)
-
-
 def graph_module(decoder: StaticDecoder, spec: GraphSpec) -> nn.Module:
     """The module to trace or run for graph ``spec.kind``."""
     if spec.kind is GraphKind.VISION_ENCODER:
@@ -254,6 +240,4 @@ def graph_module(decoder: StaticDecoder, spec: GraphSpec) -> nn.Module:
         return VisionEncoderGraph(decoder)
     if spec.kind is GraphKind.TOKEN_GENERATION:
         return TokenGenerationGraph(decoder, spec)
-    if spec.kind is GraphKind.VERIFICATION:
-        return VerificationGraph(decoder, spec)
     return ImagePrefillGraph(decoder, spec) if spec.images else PrefillGraph(decoder, spec)

@@ -74,21 +74,9 @@ def decode_rows(batch_size: int, active: dict[int, DecodeRow], width: int, block
     """Inputs of the token-generation graph (``input_ids``, ``position_ids``, ``slot_mapping`` ``[B, 1]`` and
     ``block_table [B, width]``): row ``b`` decodes ``active[b]``. Every other row (a free slot, a sequence half-way
     through its prefill, one not scheduled this step) is token 0 at position 0, written to the scratch block and
-    reading only the scratch block (invariant 9)."""
-    ids = torch.zeros(batch_size, 1, dtype=torch.long)
-    positions = torch.zeros(batch_size, 1, dtype=torch.long)
-    slots = torch.full((batch_size, 1), SCRATCH_SLOT, dtype=torch.long)
-    tables: list[Sequence[int] | None] = [None] * batch_size
-    for row, (token, position, blocks) in active.items():
-        ids[row, 0], positions[row, 0] = token, position
-        slots[row, 0] = slots_of(blocks, [position], block_size)[0]
-        tables[row] = blocks
-    return {
-        "input_ids": ids,
-        "position_ids": positions,
-        "slot_mapping": slots,
-        "block_table": table_rows(tables, width),
-    }
+    reading only the scratch block (invariant 9): `verify_rows` with one column."""
+    rows = {row: VerifyRow([token], position, blocks) for row, (token, position, blocks) in active.items()}
+    return verify_rows(batch_size, rows, 1, width, block_size)
 
 
 class VerifyRow(NamedTuple):
