@@ -73,6 +73,7 @@ def environment(venv: str = DEFAULT_VENV) -> dict[str, str]:
     env["PATH"] = f"{ROOT / venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("OPTIMUM_NEURON_CACHE", str(ROOT / ".cache" / "optimum-neuron"))
     env["HF_HUB_OFFLINE"] = "1"
+    env.setdefault("OMP_WAIT_POLICY", "passive")  # two files run at once on two cores: idle threads sleep, not spin
     env["DOCS_CHECK_ROOT"] = str(ROOT)
     return env
 
