@@ -17,6 +17,9 @@ from tests.utils import subprocess_test
 pytestmark = [pytest.mark.vllm]
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+
+
 def engine_config(model: Path, **kwargs: Any) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
@@ -26,6 +29,7 @@ def engine_config(model: Path, **kwargs: Any) -> Any:
 @subprocess_test
 def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> None:
     chunked, ce = export_fixture("llama-2x4x8-eager"), export_fixture("llama-2x1x32-ce-eager")
+    spec3 = export_fixture("llama-2x4x8-spec3-eager")
     config = engine_config(chunked)
     sched = config.scheduler_config
     assert (sched.max_num_seqs, config.model_config.max_model_len) == (2, 32)
@@ -46,6 +50,9 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     assert not config.scheduler_config.enable_chunked_prefill
     assert config.scheduler_config.max_num_batched_tokens >= 32, "a context-encoding artifact needs whole prompts"
     assert engine_config(chunked, max_model_len=16).model_config.max_model_len == 16
+    speculating = engine_config(spec3, speculative_config=NGRAM)  # vLLM's n-gram drafts, verified by the artifact
+    assert speculating.speculative_config.num_speculative_tokens == 3
+    assert not speculating.scheduler_config.async_scheduling, "the worker drafts between synchronous steps"
     refusals = [
         ({"max_num_seqs": 3}, ["max_num_seqs=3", "batch_size=2", "--batch_size"]),
         ({"max_num_seqs": 128}, ["max_num_seqs=128", "batch_size=2"]),  # vLLM's defaults, given explicitly
@@ -55,9 +62,15 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
         ({"pipeline_parallel_size": 2}, ["pipeline parallelism", "--pipeline-parallel-size"]),
         ({"num_gpu_blocks_override": 18}, ["--num-gpu-blocks-override 18", "17 blocks", "--kv_cache_tokens"]),
         ({"enable_prefix_caching": True, "model": ce}, ["needs a chunked-prefill graph", "--prefill_chunk_size"]),
+        ({"speculative_config": NGRAM}, ["no verification graph", "--speculation_length"]),
+        ({"model": spec3, "speculative_config": {**NGRAM, "num_speculative_tokens": 4}}, ["--speculation_length 4"]),
+        ({"model": spec3, "speculative_config": NGRAM, "async_scheduling": True}, ["async scheduling is only"]),
         (
-            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
-            ["--speculative-config", "prompt_lookup_num_tokens"],
+            {
+                "model": spec3,
+                "speculative_config": {"method": "draft_model", "model": str(spec3), "num_speculative_tokens": 2},
+            },
+            ["'draft_model'", '"method": "ngram"'],
         ),
     ]
     for kwargs, fragments in refusals:

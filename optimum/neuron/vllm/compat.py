@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from types import FrameType
 from typing import Any
@@ -79,6 +79,13 @@ class Step:
     structured: bool = False
     """True when a scheduled request uses structured output: vLLM then sends the grammar bitmask to
     ``sample_tokens`` after ``execute_model`` returned nothing."""
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """The tokens vLLM's scheduler proposes after each decoding request's last one (speculative decoding: what the
+    worker's proposer drafted last step, cut to the token budget)."""
+    spec_rows: dict[str, int] = field(default_factory=dict)
+    """How many of each request's ``num_scheduled_tokens`` are speculative positions: its ``spec_tokens`` and the
+    ``-1`` placeholders vLLM pads with (a new request with one token left to compute gets ``1 + k`` rows, for CUDA
+    graphs' sake), which propose nothing."""
 
 
 def read_step(scheduler_output: Any) -> Step:
@@ -105,6 +112,7 @@ def read_step(scheduler_output: Any) -> Step:
         )
         for i, rid in enumerate(c.req_ids)
     ]
+    spec = {r: list(t) for r, t in (scheduler_output.scheduled_spec_decode_tokens or {}).items() if t}
     return Step(
         new=new,
         cached=cached,
@@ -112,7 +120,17 @@ def read_step(scheduler_output: Any) -> Step:
         finished=set(scheduler_output.finished_req_ids),
         preempted=set(scheduler_output.preempted_req_ids or ()),
         structured=bool(scheduler_output.has_structured_output_requests),
+        spec_tokens={r: real for r, t in spec.items() if (real := _proposed(t))},
+        spec_rows={r: len(t) for r, t in spec.items()},
     )
+
+
+def _proposed(spec_tokens: list[int]) -> list[int]:
+    """The proposed tokens of a request's scheduled speculative positions: vLLM's own rule drops its ``-1`` padding
+    (and what follows it)."""
+    from vllm.v1.structured_output.utils import strip_speculative_padding
+
+    return [int(t) for t in strip_speculative_padding(list(spec_tokens))]
 
 
 def _one_group(block_ids: tuple[list[int], ...] | None) -> list[int] | None:
@@ -223,6 +241,23 @@ def runner_output(
             for r, p in (prompt_logprobs or {}).items()
         },
     )
+
+
+def ngram_proposer(vllm_config: Any) -> Any:
+    """vLLM's n-gram (prompt lookup) proposer for ``--speculative-config '{"method": "ngram", ...}'``: its
+    ``propose(k, sampled_token_ids, num_tokens, token_ids)`` drafts up to k tokens per request from the request's own
+    tokens (the longest suffix n-gram, ``prompt_lookup_min`` to ``prompt_lookup_max`` long, found earlier)."""
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    return NgramProposer(vllm_config)
+
+
+def draft_token_ids(req_ids: list[str], drafts: list[list[int]]) -> Any:
+    """The worker's answer to ``take_draft_token_ids``: vLLM's ``DraftTokenIds`` (one list per request, maybe empty),
+    which the scheduler schedules after each request's next token."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    return DraftTokenIds(req_ids, drafts)
 
 
 def pending_output(future: Future[Any]) -> Any:

@@ -100,13 +100,14 @@ def fit_kv_cache(cache_config: Any, neuron: NeuronConfig, asked_prefix_caching: 
         cache_config.num_gpu_blocks_override = neuron.kv_blocks
 
 
-def async_scheduling(neuron: NeuronConfig, asked: bool | None) -> bool:
+def async_scheduling(neuron: NeuronConfig, asked: bool | None, speculating: bool = False) -> bool:
     """vLLM's async scheduling, unless the user left it to its default and the artifact runs on the CPU: there the
     graphs' threads take every core, so the engine core's scheduling of step N+1 cannot overlap step N and only
     competes with it (SmolLM2 batch 8 on 2 cores, 8 x 200 -> 128 tokens through ``vllm.LLM``: 166 tok/s sync vs 116
-    async; benchmark/README.md). An explicit ``--async-scheduling`` / ``--no-async-scheduling`` is kept."""
+    async; benchmark/README.md), or under speculative decoding (`check_speculation`). An explicit
+    ``--async-scheduling`` / ``--no-async-scheduling`` is kept."""
     if asked is None:
-        return neuron.device != "cpu"
+        return neuron.device != "cpu" and not speculating
     return asked
 
 
@@ -132,14 +133,30 @@ def check_sampling_config(model_config: Any) -> None:
         )
 
 
-def check_speculation(vllm_config: Any) -> None:
-    """Refuse vLLM's speculative decoding: the verification graph (``--speculation_length``) serves ``generate()``'s
-    prompt lookup, but the worker does not run vLLM's proposers and rejection sampler on it yet."""
-    if getattr(vllm_config, "speculative_config", None) is not None:
+def check_speculation(vllm_config: Any, neuron: NeuronConfig) -> None:
+    """Let through vLLM's n-gram speculation (``--speculative-config '{"method": "ngram", ...}'``) on an artifact whose
+    verification graph checks as many tokens; refuse every other speculative setting, saying what to change (vLLM
+    itself refuses n-gram speculation under async scheduling)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return
+    if spec.method != "ngram":
         raise IncompatibleConfigError(
-            "speculative decoding through vLLM (--speculative-config) is not supported by optimum-neuronx yet: drop "
-            "--speculative-config (an artifact exported with --speculation_length K speculates in "
-            "NeuronModelForCausalLM.generate(prompt_lookup_num_tokens=k), docs/speculative.md)."
+            f"speculative decoding method {spec.method!r} is not supported by optimum-neuronx: use "
+            '--speculative-config \'{"method": "ngram", "num_speculative_tokens": K}\' (prompt lookup; a draft model '
+            "is not wired yet, EAGLE/Medusa heads need trained weights: docs/speculative.md)."
+        )
+    most = neuron.speculation_length
+    if most == 0:
+        raise IncompatibleConfigError(
+            f"{vllm_config.model_config.model} has no verification graph: re-export it with --speculation_length K "
+            "to serve with --speculative-config, or drop --speculative-config."
+        )
+    if spec.num_speculative_tokens > most:
+        raise IncompatibleConfigError(
+            f"num_speculative_tokens={spec.num_speculative_tokens} is more than the artifact verifies per step "
+            f"({most}): use num_speculative_tokens <= {most}, or re-export with --speculation_length "
+            f"{spec.num_speculative_tokens}."
         )
 
 
@@ -220,10 +237,11 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         if neuron.tp_degree > 1:  # the heads its graphs compute, padded where they do not split (recorded at export)
             compat.set_served_heads(vllm_config.model_config, *served_heads(neuron))
         check_sampling_config(vllm_config.model_config)
-        check_speculation(vllm_config)
-        vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
         asked = self._take_asked(vllm_config)
-        vllm_config.scheduler_config.async_scheduling = async_scheduling(neuron, asked.async_scheduling)
+        check_speculation(vllm_config, neuron)
+        vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
+        speculating = vllm_config.speculative_config is not None
+        vllm_config.scheduler_config.async_scheduling = async_scheduling(neuron, asked.async_scheduling, speculating)
         compat.set_scheduler(vllm_config.scheduler_config, scheduler_class(vllm_config.scheduler_config))
         # Start the engine core by spawn, as vLLM's CPU platform does: a process forked after torch ran
         # intra-op (OpenMP) work hangs in its first parallel op (seen: allocating the KV cache).

@@ -2,7 +2,8 @@
 
 A thin adapter: finished requests are released, preempted ones preempted, new ones admitted (in the blocks vLLM's KV
 cache manager placed them in, with its prefix-cache hit already computed), resumed ones resumed, running ones given
-the blocks vLLM added, and the scheduled token counts go to the engine as they are, with vLLM's own
+the blocks vLLM added, and the scheduled token counts go to the engine as they are (the tokens vLLM's scheduler
+proposes after a decoding request, speculative decoding, as that request's drafts: `drafting`), with vLLM's own
 sampler (`host_sampling.HostSampling`, bound to the step's grammar bitmask) for the requests that need it. The
 engine keeps every request's tokens, cache progress, sampler and prompt logprobs; the runner only checks
 that vLLM's count of computed tokens agrees with the engine's, and keeps a log of what each step ran.
@@ -80,11 +81,22 @@ class Runner:
         for cached in step.cached:
             self._guarded(failed, cached.req_id, self._sync, cached)
         work = {r: n for r, n in step.num_scheduled_tokens.items() if r not in failed}
-        result = self._step(work, grammar_output, failed)
+        for req_id, rows in step.spec_rows.items():  # vLLM counts speculative positions among the scheduled tokens
+            if req_id in work:
+                work[req_id] -= rows
+        drafts = {r: tokens for r, tokens in step.spec_tokens.items() if r in work}
+        result = self._step(work, grammar_output, failed, drafts)
         self._record(result)
         scheduled = list(step.num_scheduled_tokens)
-        sampled = {r: [result.tokens[r]] if r in result.tokens else [] for r in scheduled}
+        sampled = {r: self._new_tokens(result, r) for r in scheduled}
         return StepOutput(scheduled, sampled, result.logprobs, result.prompt_logprobs, failed)  # type: ignore[arg-type]
+
+    def _new_tokens(self, result: StepResult, req_id: str) -> list[int]:
+        """The tokens ``req_id`` gained this step: the proposed ones the verification kept, then its own one."""
+        if req_id not in result.tokens:
+            return []
+        kept = result.accepted.get(req_id, 0)
+        return self.engine.sequence(req_id).tokens[-kept - 1 :] if kept else [result.tokens[req_id]]
 
     def _admit(self, new: NewRequest) -> None:
         """Admit a new request in the blocks vLLM placed it in, its prefix-cache hit already computed."""
@@ -92,20 +104,23 @@ class Runner:
         blocks, computed = new.block_ids, new.num_computed_tokens
         self.engine.admit(new.req_id, new.prompt_token_ids, params, images, blocks=blocks, computed=computed)
 
-    def _step(self, work: dict[str, int], grammar_output: Any, failed: dict[str, str]) -> StepResult:
-        """`Engine.step` on ``work``. When it raises, each request is run alone (a failed step leaves every sequence
-        as it was): the ones that fail alone are released into ``failed``; if every one of several fails, the step
-        error is raised again."""
+    def _step(
+        self, work: dict[str, int], grammar_output: Any, failed: dict[str, str], drafts: dict[str, list[int]]
+    ) -> StepResult:
+        """`Engine.step` on ``work`` (``drafts``: the tokens proposed after decoding requests). When it raises, each
+        request is run alone (a failed step leaves every sequence as it was): the ones that fail alone are released
+        into ``failed``; if every one of several fails, the step error is raised again."""
         sampler = self.host.for_step(grammar_output)
         try:
-            return self.engine.step(work, sampler)
+            return self.engine.step(work, sampler, drafts)
         except Exception as err:
             if len(work) > 1:
                 logger.warning("a step of %d requests failed (%s); running each alone", len(work), err)
             alone, errors = StepResult(), {}
             for req_id, count in work.items():
                 try:
-                    _merge(alone, self.engine.step({req_id: count}, sampler))
+                    own = {req_id: drafts[req_id]} if req_id in drafts else None
+                    _merge(alone, self.engine.step({req_id: count}, sampler, own))
                 except Exception as alone_err:
                     errors[req_id] = alone_err
             if len(work) > 1 and len(errors) == len(work):
@@ -139,7 +154,7 @@ class Runner:
         if computed != cached.num_computed_tokens:
             raise InputError(
                 f"request {cached.req_id}: vLLM counts {cached.num_computed_tokens} computed tokens, the engine "
-                f"{computed}; the scheduler and the runner disagree (is speculative decoding on?)."
+                f"{computed}; the scheduler and the runner disagree."
             )
 
     def _record(self, result: StepResult) -> None:
@@ -154,7 +169,7 @@ class Runner:
 
 def _merge(into: StepResult, part: StepResult) -> None:
     """Add what ``part`` (one request's step) ran and produced to ``into``."""
-    for name in ("tokens", "logits", "logprobs", "prompt_logprobs"):
+    for name in ("tokens", "logits", "logprobs", "prompt_logprobs", "token_logits", "accepted"):
         getattr(into, name).update(getattr(part, name))
     for name in ("decodes", "prefills", "encoded"):
         getattr(into, name).extend(getattr(part, name))

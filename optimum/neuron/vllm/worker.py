@@ -25,6 +25,7 @@ from ..modeling import NeuronModelForCausalLM
 from ..models.layers.kv_cache import cache_bytes, tensors_per_layer
 from ..runtime.engine import Engine
 from . import compat
+from .drafting import NgramDrafter
 from .runner import Runner
 from .scheduler import runner_output as with_failures
 
@@ -38,6 +39,10 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.runner: Runner | None = None
+        self.drafter: NgramDrafter | None = None
+        """vLLM's n-gram proposer under ``--speculative-config`` (`drafting`)."""
+        self._drafts: Any = None
+        """What the drafter proposed after the last step, until vLLM takes it (`take_draft_token_ids`)."""
         self._waiting: compat.Step | None = None
         """A step held back by `execute_model` until `sample_tokens` brings its grammar bitmask."""
         self._steps: ThreadPoolExecutor | None = None
@@ -61,6 +66,7 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         artifact = Artifact.open(self.model_config.model)
         engine = Engine(artifact, caller_blocks=True)
         self.runner = Runner(engine)
+        self.drafter = NgramDrafter.of(self.vllm_config)
         c = artifact.config
         logger.info(
             "optimum-neuronx serving %s (rank %d of %d): backend=%s device=%s graphs=%s batch_size=%d "
@@ -165,6 +171,8 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
     def _run(self, step: compat.Step, grammar_output: Any) -> Any:
         assert self.runner is not None, "load_model() runs before the first step"
         out = self.runner.execute(step, grammar_output)
+        if self.drafter is not None:
+            self._drafts = self.drafter.draft(self.runner.engine, [r for r in out.req_ids if out.sampled[r]])
         output = compat.runner_output(out.req_ids, out.sampled, out.logprobs, out.prompt_logprobs)
         return with_failures(output, out.failed)
 
@@ -174,9 +182,12 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         expert-parallel collectives match); an artifact's graphs hold no collective across replicas, so an idle replica
         has nothing to join. Without this method the call fails and that replica's engine core dies."""
 
-    def take_draft_token_ids(self) -> None:
-        """No speculative decoding."""
-        return None
+    def take_draft_token_ids(self) -> Any:
+        """The tokens proposed after the last step's (vLLM's ``DraftTokenIds``; None without speculative decoding):
+        vLLM's scheduler schedules them next step (synchronous scheduling only: the platform refuses async with
+        speculation)."""
+        drafts, self._drafts = self._drafts, None
+        return drafts
 
     def check_health(self) -> None:
         """Healthy while loaded."""

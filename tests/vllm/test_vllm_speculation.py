@@ -1,0 +1,76 @@
+"""vLLM's n-gram speculation on an artifact with a verification graph (``--speculation_length 3``): the worker drafts
+with vLLM's ``NgramProposer``, the engine keeps the drafts its own sampler agrees with, vLLM counts the rest as
+rejected. Greedy and seeded tokens equal transformers' (speculation changes how many tokens a step yields, never which),
+vLLM's spec-decode counters count the drafts the runner kept, and every slot is freed. The refusals (a method other
+than ngram, more tokens than the artifact verifies, an artifact without the graph, async scheduling) are in
+test_vllm_platform.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.fixtures.llm.models import export_fixture, tiny_model
+from tests.fixtures.llm.reference import hf_greedy, hf_sampled
+from tests.utils import settled, subprocess_test
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+FIXTURE = "llama-2x4x8-spec3-eager"
+SEQUENCE_LENGTH = 32
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+COPYING = (58, 56)
+"""Seeds of prompts (`prompt`) after which the tiny llama's greedy output repeats a token and what followed it once:
+the n-gram proposer's draft is then right once (found with vLLM's own n-gram matcher over transformers' tokens)."""
+
+
+def prompt(seed: int) -> list[int]:
+    length = 6 + seed % 5
+    return torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(100 + seed)).tolist()
+
+
+def spec_counters(llm: Any) -> dict[str, float]:
+    """vLLM's spec-decode counters (drafts, draft tokens, accepted tokens), summed over engines."""
+    counters: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode_num_") and hasattr(metric, "value"):
+            counters[metric.name] = counters.get(metric.name, 0.0) + float(metric.value)
+    return counters
+
+
+@subprocess_test
+def test_ngram_speculation_serves_transformers_tokens_and_counts_what_it_kept() -> None:
+    from vllm import LLM, SamplingParams
+
+    from optimum.neuron.artifact import read_config
+    from optimum.neuron.runtime.sampling import SamplingParams as OurParams
+
+    artifact, model = export_fixture(FIXTURE), tiny_model("llama")
+    llm = LLM(model=str(artifact), seed=0, speculative_config=NGRAM, disable_log_stats=False)
+    prompts = [prompt(seed) for seed in COPYING]
+    news = [SEQUENCE_LENGTH - len(p) for p in prompts]  # to the end of the cache: drafts are cut at its edge
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in news]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # one step, two rows
+    for ids, new, out in zip(prompts, news, outputs, strict=True):
+        assert list(out.outputs[0].token_ids) == hf_greedy(model, ids, new), f"greedy after {len(ids)} tokens"
+    counters = spec_counters(llm)
+    assert counters["vllm:spec_decode_num_drafts"] > 0, counters
+    assert counters["vllm:spec_decode_num_draft_tokens"] >= counters["vllm:spec_decode_num_drafts"], counters
+    assert counters["vllm:spec_decode_num_accepted_tokens"] >= len(COPYING), f"a right draft was not kept: {counters}"
+    steps = [r for r in llm.collective_rpc("step_records")[0] if r["decodes"]]
+    assert len(steps) < max(news) - 1, "no step yielded more than one token"
+
+    knobs = {"temperature": 1.3, "top_k": 40, "top_p": 0.9, "seed": 21}
+    ids = prompt(COPYING[0])  # all cached but its last token: vLLM pads its first step with -1 drafts (no proposal)
+    new = SEQUENCE_LENGTH - len(ids)
+    sampled = (
+        llm.generate(
+            [{"prompt_token_ids": ids}], SamplingParams(max_tokens=new, ignore_eos=True, **knobs), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    ours = OurParams(do_sample=True, **knobs)
+    assert list(sampled) == hf_sampled(model, ids, new, ours, read_config(artifact).max_topk), "seeded sampling"
+    assert settled(lambda: llm.collective_rpc("slot_usage"), [{}]) == [{}], "a finished request kept its KV slot"
