@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,3 +75,37 @@ def test_ngram_speculation_serves_transformers_tokens_and_counts_what_it_kept() 
     ours = OurParams(do_sample=True, **knobs)
     assert list(sampled) == hf_sampled(model, ids, new, ours, read_config(artifact).max_topk), "seeded sampling"
     assert settled(lambda: llm.collective_rpc("slot_usage"), [{}]) == [{}], "a finished request kept its KV slot"
+
+
+@subprocess_test
+def test_the_drafter_proposes_for_verifiable_decodes_within_the_schedulers_budget() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as vllm_match
+
+    from optimum.neuron.artifact import Artifact
+    from optimum.neuron.runtime.engine import Engine
+    from optimum.neuron.runtime.sampling import SamplingParams as OurParams
+    from optimum.neuron.vllm.drafting import NgramDrafter
+
+    artifact = export_fixture(FIXTURE)
+    schedule = {**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 2, 0]]}
+    config = EngineArgs(model=str(artifact), speculative_config=schedule).create_engine_config()
+    drafter = NgramDrafter.of(config)
+    assert drafter is not None and drafter.k == 3
+    engine = Engine(Artifact.open(artifact))
+    for seed in range(64):  # the first prompt whose greedy token appeared in it: vLLM's matcher proposes after it
+        engine.release("plain")
+        engine.admit("plain", prompt(seed) * 2, OurParams(), reuse=False)
+        engine.step({"plain": len(prompt(seed)) * 2})
+        history = engine.sequence("plain").tokens
+        expected = vllm_match(np.array(history, dtype=np.int32), 1, 2, SEQUENCE_LENGTH, 3).tolist()
+        if expected:
+            break
+    assert expected, "no prompt to propose after"
+    engine.admit("prefilling", list(range(3, 23)), OurParams(), reuse=False)
+    engine.step({"prefilling": 8})
+    ids = ["plain", "prefilling"]
+    drafts = drafter.draft(engine, ids)
+    assert (drafts.req_ids, drafts.draft_token_ids) == (ids, [expected, []]), "a prefilling request: no draft"
+    assert drafter.draft(engine, ids, budget=1).draft_token_ids == [expected[:1], []]
+    assert drafter.draft(engine, ids, budget=0).draft_token_ids == [[], []], "the schedule turned speculation off"

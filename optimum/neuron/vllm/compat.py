@@ -82,6 +82,9 @@ class Step:
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     """The tokens vLLM's scheduler proposes after each decoding request's last one (speculative decoding: what the
     worker's proposer drafted last step, cut to the token budget)."""
+    spec_budget: int | None = None
+    """How many tokens to propose after this step (vLLM's ``num_spec_tokens_to_schedule``: ``num_speculative_tokens``,
+    or what ``num_speculative_tokens_per_batch_size`` gives for this step's batch size; None: no such schedule)."""
     spec_rows: dict[str, int] = field(default_factory=dict)
     """How many of each request's ``num_scheduled_tokens`` are speculative positions: its ``spec_tokens`` and the
     ``-1`` placeholders vLLM pads with (a new request with one token left to compute gets ``1 + k`` rows, for CUDA
@@ -122,6 +125,7 @@ def read_step(scheduler_output: Any) -> Step:
         structured=bool(scheduler_output.has_structured_output_requests),
         spec_tokens={r: real for r, t in spec.items() if (real := _proposed(t))},
         spec_rows={r: len(t) for r, t in spec.items()},
+        spec_budget=getattr(scheduler_output, "num_spec_tokens_to_schedule", None),
     )
 
 

@@ -36,16 +36,18 @@ class NgramDrafter:
         proposer = compat.ngram_proposer(vllm_config)
         return cls(proposer, spec.num_speculative_tokens, vllm_config.model_config.max_model_len)
 
-    def draft(self, engine: Engine, req_ids: list[str]) -> Any:
-        """vLLM's ``DraftTokenIds`` for ``req_ids`` (the requests that sampled a token this step): the proposer's
-        tokens for each one the engine can verify, ``[]`` for the others."""
-        rows = [self._tokens(engine, r) for r in req_ids]
+    def draft(self, engine: Engine, req_ids: list[str], budget: int | None = None) -> Any:
+        """vLLM's ``DraftTokenIds`` for ``req_ids`` (the requests that sampled a token this step): up to ``budget``
+        (default k; vLLM's scheduler lowers it by batch size under ``num_speculative_tokens_per_batch_size``) of the
+        proposer's tokens for each one the engine can verify, ``[]`` for the others."""
+        k = self.k if budget is None else min(self.k, budget)
+        rows = [self._tokens(engine, r) if k > 0 else [] for r in req_ids]
         lengths = np.array([len(t) for t in rows], dtype=np.int32)
         history = np.zeros((len(rows), self.max_model_len), dtype=np.int32)
         for i, tokens in enumerate(rows):
             history[i, : len(tokens)] = tokens
         wanted = [[1] if tokens else [] for tokens in rows]  # the proposer skips a request that sampled nothing
-        drafts = self.proposer.propose(self.k, wanted, lengths, history) if req_ids else []
+        drafts = self.proposer.propose(k, wanted, lengths, history) if any(wanted) else [[] for _ in req_ids]
         return compat.draft_token_ids(list(req_ids), [list(map(int, d)) for d in drafts])
 
     @staticmethod

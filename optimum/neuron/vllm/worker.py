@@ -172,7 +172,8 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         assert self.runner is not None, "load_model() runs before the first step"
         out = self.runner.execute(step, grammar_output)
         if self.drafter is not None:
-            self._drafts = self.drafter.draft(self.runner.engine, [r for r in out.req_ids if out.sampled[r]])
+            sampled = [r for r in out.req_ids if out.sampled[r]]
+            self._drafts = self.drafter.draft(self.runner.engine, sampled, step.spec_budget)
         output = compat.runner_output(out.req_ids, out.sampled, out.logprobs, out.prompt_logprobs)
         return with_failures(output, out.failed)
 
