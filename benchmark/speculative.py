@@ -1,7 +1,9 @@
 """Prompt-lookup speculative decoding on SmolLM2-135M-Instruct: ``generate(prompt_lookup_num_tokens=k)`` against
-plain generation, in one run.
+plain generation, in one run; with ``--vllm``, the same workloads through ``vllm.LLM`` with vLLM's n-gram proposer
+(``speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 2}``) against no
+speculation.
 
-    .venv/bin/python -m benchmark.speculative [--quick] [--rounds N]
+    .venv/bin/python -m benchmark.speculative [--quick] [--rounds N] [--vllm]
 
 Artifacts: fp32, inductor, S=1024, C=256, ``--speculation_length 6``, batch 1 and batch 8 (one verification graph each).
 Workloads, greedy, a fixed number of new tokens (EOS does not stop them):
@@ -14,7 +16,9 @@ Workloads, greedy, a fixed number of new tokens (EOS does not stop them):
 Per workload, batch and k (0: no speculation), in a fresh process after one warm-up call: output tokens per second
 (every prompt's new tokens over the wall time of the `generate` calls), and tokens per decode step (new tokens over
 the engine steps that decode). Every k's tokens are checked equal to k = 0's. Rounds interleave the k values.
-Results: ``benchmark/results/<machine>/speculative.md`` and ``.json``.
+Results: ``benchmark/results/<machine>/speculative.md`` and ``.json`` (``speculative-vllm.*`` with ``--vllm``, where
+tokens per decode step come from the runner's step records and the kept share of the drafts from vLLM's spec-decode
+counters).
 """
 
 from __future__ import annotations
@@ -107,6 +111,38 @@ def measure(artifact: str, workload: str, count: int, new: int, lookup: int) -> 
     return {"tok_s": made / seconds, "tokens_per_step": made / max(steps[0], 1), "tokens": tokens}
 
 
+def measure_vllm(artifact: str, workload: str, count: int, new: int, lookup: int) -> dict[str, Any]:
+    """`measure` through ``vllm.LLM`` (all prompts in one ``generate`` call, vLLM's n-gram proposer drafting
+    ``lookup`` tokens; 0: no speculation), plus the share of the drafted tokens the verification kept."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": lookup, "prompt_lookup_max": 2} if lookup else None
+    llm = LLM(model=artifact, seed=0, speculative_config=spec, disable_log_stats=False)
+    tokenizer = AutoTokenizer.from_pretrained(artifact)
+    texts = prompts(workload, count)
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True) for m in texts]
+    requests: Any = [{"prompt_token_ids": list(ids)} for ids in chats]
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    llm.generate(requests[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    before = len(llm.collective_rpc("step_records")[0])
+    start = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    steps = [r for r in llm.collective_rpc("step_records")[0][before:] if r["decodes"] and not r["prefills"]]
+    metrics = llm.get_metrics()
+    counters = {m.name: float(getattr(m, "value", 0.0)) for m in metrics if m.name.startswith("vllm:spec_decode_num_")}
+    drafted = counters.get("vllm:spec_decode_num_draft_tokens", 0.0)
+    made = sum(map(len, tokens))
+    return {
+        "tok_s": made / seconds,
+        "tokens_per_step": made / max(len(steps), 1),
+        "kept": counters.get("vllm:spec_decode_num_accepted_tokens", 0.0) / drafted if drafted else 0.0,
+        "tokens": tokens,
+    }
+
+
 def run_fresh(spec: dict[str, Any]) -> dict[str, Any]:
     """One `measure` in a fresh interpreter."""
     cmd = [sys.executable, "-m", "benchmark.speculative", "--worker", json.dumps(spec)]
@@ -123,14 +159,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (each cell: the median)")
     parser.add_argument("--new", type=int, default=96, help="new tokens per prompt")
     parser.add_argument("--machine", default="cpu-2core", help="results subfolder name")
+    parser.add_argument("--vllm", action="store_true", help="through vllm.LLM and vLLM's n-gram proposer, batch 1")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(**json.loads(args.worker))))
+        spec = json.loads(args.worker)
+        worker = measure_vllm if spec.pop("vllm", False) else measure
+        print(json.dumps(worker(**spec)))
         return
     from optimum.neuron.progress import StepProgress
     from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
 
-    batches, lookups, new = ((1,), (0, 4), 32) if args.quick else ((1, 8), LOOKUPS, args.new)
+    batches, lookups, new = ((1,), (0, 4), 32) if args.quick else ((1,) if args.vllm else (1, 8), LOOKUPS, args.new)
     model_dir = convert_smollm2(default_smollm2_dir("fp32"), dtype="fp32")
     artifacts = {batch: str(export_for(model_dir, batch)) for batch in batches}
     cells = [(w, b, k) for w in ("copy", "chat") for b in batches for k in lookups]
@@ -141,16 +180,19 @@ def main() -> None:
                 count = 2 if args.quick else (4 if batch == 1 else 8)
                 with bar.step(f"{workload}, batch {batch}, k {lookup}"):
                     spec = {"artifact": artifacts[batch], "workload": workload, "count": count, "new": new}
-                    found = run_fresh({**spec, "lookup": lookup})
+                    found = run_fresh({**spec, "lookup": lookup, "vllm": args.vllm})
                     samples.setdefault(f"{workload} b{batch} k{lookup}", []).append(found)
     body = {"machine": describe(), "rounds": args.rounds, "new": new, "lookups": list(lookups), "cells": {}}
+    body["vllm"] = args.vllm
     for key, runs in samples.items():
         body["cells"][key] = {
             "tok_s": statistics.median(r["tok_s"] for r in runs),
             "tokens_per_step": statistics.median(r["tokens_per_step"] for r in runs),
+            "kept": statistics.median(r.get("kept", 0.0) for r in runs),
             "tokens": runs[0]["tokens"],
         }
-    out = RESULTS / args.machine / ("speculative-quick.json" if args.quick else "speculative.json")
+    name = "speculative" + ("-vllm" if args.vllm else "") + ("-quick" if args.quick else "")
+    out = RESULTS / args.machine / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(body, indent=1))
     out.with_suffix(".md").write_text(render(body, batches))
@@ -159,18 +201,19 @@ def main() -> None:
 
 def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
     """The markdown report: per workload and batch, tok/s and tokens per step of each k against k = 0."""
-    cells = body["cells"]
+    cells, vllm = body["cells"], body.get("vllm", False)
+    through = "`vllm.LLM`, vLLM's n-gram proposer" if vllm else "`generate(prompt_lookup_num_tokens=k)`"
     lines = [
-        "# Prompt-lookup speculative decoding: SmolLM2-135M-Instruct fp32, inductor, CPU",
+        f"# Prompt-lookup speculative decoding ({through}): SmolLM2-135M-Instruct fp32, inductor, CPU",
         "",
-        "Command: `.venv/bin/python -m benchmark.speculative`. Machine: "
+        f"Command: `.venv/bin/python -m benchmark.speculative{' --vllm' if vllm else ''}`. Machine: "
         + ", ".join(f"{k} {v}" for k, v in body["machine"].items())
         + f". S={SEQUENCE_LENGTH}, C={CHUNK}, `--speculation_length {SPECULATION}`; greedy, {body['new']} new tokens "
         f"per prompt (EOS not stopping them); each cell in a fresh process, the median of {body['rounds']} "
         "interleaved round(s).",
         "",
-        "| workload | batch | k | output tok/s | x k=0 | tokens per decode step | tokens equal to k=0 |",
-        "|---|---|---|---|---|---|---|",
+        "| workload | batch | k | output tok/s | x k=0 | tokens per decode step | drafts kept | tokens equal to k=0 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for workload in ("copy", "chat"):
         for batch in batches:
@@ -178,9 +221,10 @@ def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
             for lookup in body["lookups"]:
                 cell = cells[f"{workload} b{batch} k{lookup}"]
                 same = "yes" if cell["tokens"] == base["tokens"] else "NO"
+                kept = f"{100 * cell['kept']:.0f} %" if vllm and lookup else "-"
                 lines.append(
                     f"| {workload} | {batch} | {lookup} | {cell['tok_s']:.1f} | {cell['tok_s'] / base['tok_s']:.2f}x "
-                    f"| {cell['tokens_per_step']:.2f} | {same} |"
+                    f"| {cell['tokens_per_step']:.2f} | {kept} | {same} |"
                 )
     return "\n".join(lines) + "\n"
 
