@@ -39,6 +39,8 @@ RESULTS = Path(__file__).parent / "results"
 SEQUENCE_LENGTH, CHUNK, SPECULATION = 1024, 256, 6
 LOOKUPS = (0, 2, 4, 6)
 PASSAGE_WORDS = 90
+RESULT = "SPECULATIVE_RESULT "
+"""A worker prints its answer on one line after this marker."""
 
 
 def export_for(model_dir: Path, batch: int) -> Path:
@@ -121,8 +123,11 @@ def measure_vllm(artifact: str, workload: str, count: int, new: int, lookup: int
     llm = LLM(model=artifact, seed=0, speculative_config=spec, disable_log_stats=False)
     tokenizer = AutoTokenizer.from_pretrained(artifact)
     texts = prompts(workload, count)
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True) for m in texts]
-    requests: Any = [{"prompt_token_ids": list(ids)} for ids in chats]
+    chats = [
+        tokenizer.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, return_dict=True)
+        for m in texts
+    ]
+    requests: Any = [{"prompt_token_ids": list(chat["input_ids"])} for chat in chats]
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     llm.generate(requests[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     before = len(llm.collective_rpc("step_records")[0])
@@ -149,7 +154,10 @@ def run_fresh(spec: dict[str, Any]) -> dict[str, Any]:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{spec} failed:\n{done.stderr[-3000:]}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    answers = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]  # vLLM logs to stdout too
+    if not answers:
+        raise RuntimeError(f"{spec} printed no result:\n{done.stdout[-3000:]}")
+    return dict(json.loads(answers[-1].removeprefix(RESULT)))
 
 
 def main() -> None:
@@ -164,7 +172,7 @@ def main() -> None:
     if args.worker:
         spec = json.loads(args.worker)
         worker = measure_vllm if spec.pop("vllm", False) else measure
-        print(json.dumps(worker(**spec)))
+        print(RESULT + json.dumps(worker(**spec)), flush=True)
         return
     from optimum.neuron.progress import StepProgress
     from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
