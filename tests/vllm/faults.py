@@ -9,12 +9,12 @@ from typing import Any
 
 
 def before_each_step(engine: Any, before: Callable[[Any], None]) -> None:
-    """From now on ``engine.step(work, sampler)`` first calls ``before(work)``."""
+    """From now on ``engine.step(work, ...)`` first calls ``before(work)``."""
     real = engine.step
 
-    def step(work: Any, sampler: Any = None) -> Any:
+    def step(work: Any, *args: Any, **kwargs: Any) -> Any:
         before(work)
-        return real(work, sampler)
+        return real(work, *args, **kwargs)
 
     engine.step = step
 
