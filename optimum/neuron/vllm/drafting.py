@@ -42,12 +42,14 @@ class NgramDrafter:
         proposer's tokens for each one the engine can verify, ``[]`` for the others."""
         k = self.k if budget is None else min(self.k, budget)
         rows = [self._tokens(engine, r) if k > 0 else [] for r in req_ids]
+        if not any(rows):  # nothing to propose for: no [requests, max_model_len] history to build
+            return compat.draft_token_ids(list(req_ids), [[] for _ in req_ids])
         lengths = np.array([len(t) for t in rows], dtype=np.int32)
         history = np.zeros((len(rows), self.max_model_len), dtype=np.int32)
         for i, tokens in enumerate(rows):
             history[i, : len(tokens)] = tokens
         wanted = [[1] if tokens else [] for tokens in rows]  # the proposer skips a request that sampled nothing
-        drafts = self.proposer.propose(k, wanted, lengths, history) if any(wanted) else [[] for _ in req_ids]
+        drafts = self.proposer.propose(k, wanted, lengths, history)
         return compat.draft_token_ids(list(req_ids), [list(map(int, d)) for d in drafts])
 
     @staticmethod
