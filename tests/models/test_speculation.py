@@ -166,3 +166,33 @@ def test_verification_graph_signature() -> None:
     assert names == ["verification_w16", "verification"], "a static-shape backend compiles one per KV window"
     with pytest.raises(Exception, match="--speculation_length"):
         NeuronConfig(sequence_length=32, speculation_length=32)
+
+
+def test_rewind_keeps_the_rows_of_the_shared_tokens_and_refuses_what_it_cannot() -> None:
+    """A drafter's engine (`vllm.drafting.ModelDrafter`) follows a target's tokens with `Engine.rewind`: the rows of the
+    tokens both lists share stay, the rest is computed again, and the next tokens are those of transformers after the
+    new list."""
+    from optimum.neuron.artifact import Artifact
+    from optimum.neuron.runtime.engine import Engine
+
+    fixture = fixture_named("llama-2x4x8-eager")
+    engine = Engine(Artifact.open(export_fixture(fixture.name)), prefix_cache=False)
+    ids = prompt(10, seed=70)
+    engine.admit("a", ids, GREEDY)
+    engine.step({"a": len(ids)})
+    engine.step({"a": 1})
+    other = [*engine.sequence("a").tokens[:11], 5, 6]  # the first 11 rows (the prompt's and one token's) stay
+    sequence = engine.rewind("a", other)
+    assert (sequence.tokens, sequence.computed, sequence.pending) == (other, 11, 2)
+    result = engine.step({"a": 2})
+    assert result.tokens["a"] == hf_greedy(fixture.model(), other, 1)[0]
+    before = (list(sequence.tokens), sequence.computed)
+    with pytest.raises(InputError, match="fewer than its 10-token prompt"):
+        engine.rewind("a", ids[:9])
+    with pytest.raises(InputError, match="vocabulary"):
+        engine.rewind("a", [*ids, 10_000])
+    assert (sequence.tokens, sequence.computed) == before, "a refused rewind changed the sequence"
+    shared = Engine(Artifact.open(export_fixture(fixture.name)))  # prefix caching: a block may be another's
+    shared.admit("b", ids, GREEDY)
+    with pytest.raises(InputError, match="prefix_cache=False"):
+        shared.rewind("b", ids)

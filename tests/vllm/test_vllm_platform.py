@@ -3,6 +3,7 @@ flag to change (vLLM's real config path: ``EngineArgs.create_engine_config``, no
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -18,6 +19,28 @@ pytestmark = [pytest.mark.vllm]
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+
+
+def bad_drafts(tmp_path: Path, draft: Path) -> list[tuple[Path, list[str]]]:
+    """Draft models the platform refuses, with what its message names: a transformers folder, an artifact of two ranks,
+    one without a chunked-prefill graph, one with fewer slots than the target, one of another vocabulary."""
+    from optimum.neuron.artifact import read_config
+    from tests.fixtures.llm.models import tiny_model
+
+    smaller, other_vocab = tmp_path / "draft-batch1", tmp_path / "draft-vocab"
+    for copy in (smaller, other_vocab):
+        shutil.copytree(draft, copy)
+    one_slot = dataclasses.replace(read_config(draft), batch_size=1, kv_cache_tokens=0)
+    body = json.loads((draft / "neuron_config.json").read_text())
+    (smaller / "neuron_config.json").write_text(one_slot.to_json(body["graphs"], body.get("recorded")))
+    edit_json(other_vocab / "config.json", lambda body: body.update(vocab_size=300))
+    return [
+        (tiny_model("qwen3"), ["not an optimum-neuronx artifact", "optimum-cli export neuron"]),
+        (export_fixture("llama-2x4x8-kv1-tp2-eager"), ["tp_degree=2", "--tensor_parallel_size 1"]),
+        (export_fixture("llama-2x1x32-ce-eager"), ["prefill_chunk_size=0", "--prefill_chunk_size C > 0"]),
+        (smaller, ["batch_size=1", "--batch_size >= 2"]),
+        (other_vocab, ["same vocabulary size"]),  # vLLM's own check
+    ]
 
 
 def engine_config(model: Path, **kwargs: Any) -> Any:
@@ -53,6 +76,11 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     speculating = engine_config(spec3, speculative_config=NGRAM)  # vLLM's n-gram drafts, verified by the artifact
     assert speculating.speculative_config.num_speculative_tokens == 3
     assert not speculating.scheduler_config.async_scheduling, "the worker drafts between synchronous steps"
+    draft = export_fixture("qwen3-2x4x8-eager")  # another model, the same vocabulary: a draft artifact
+    drafting = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    speculating = engine_config(spec3, speculative_config=drafting)
+    assert speculating.speculative_config.method == "draft_model"
+    assert not speculating.scheduler_config.async_scheduling
     refusals = [
         ({"max_num_seqs": 3}, ["max_num_seqs=3", "batch_size=2", "--batch_size"]),
         ({"max_num_seqs": 128}, ["max_num_seqs=128", "batch_size=2"]),  # vLLM's defaults, given explicitly
@@ -65,12 +93,11 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
         ({"speculative_config": NGRAM}, ["no verification graph", "--speculation_length"]),
         ({"model": spec3, "speculative_config": {**NGRAM, "num_speculative_tokens": 4}}, ["--speculation_length 4"]),
         ({"model": spec3, "speculative_config": NGRAM, "async_scheduling": True}, ["async scheduling is only"]),
-        (
-            {
-                "model": spec3,
-                "speculative_config": {"method": "draft_model", "model": str(spec3), "num_speculative_tokens": 2},
-            },
-            ["'draft_model'", '"method": "ngram"'],
+        ({"model": spec3, "speculative_config": {**NGRAM, "method": "ngram_gpu"}}, ["'ngram_gpu'", "draft_model"]),
+        ({"model": spec3, "speculative_config": drafting, "async_scheduling": True}, ["--async-scheduling"]),
+        *(
+            ({"model": spec3, "speculative_config": {**drafting, "model": str(path)}}, fragments)
+            for path, fragments in bad_drafts(tmp_path, draft)
         ),
     ]
     for kwargs, fragments in refusals:

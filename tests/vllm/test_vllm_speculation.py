@@ -1,8 +1,9 @@
-"""vLLM's n-gram speculation on an artifact with a verification graph (``--speculation_length 3``): the worker drafts
-with vLLM's ``NgramProposer``, the engine keeps the drafts its own sampler agrees with, vLLM counts the rest as
-rejected. Greedy and seeded tokens equal transformers' (speculation changes how many tokens a step yields, never which),
-vLLM's spec-decode counters count the drafts the runner kept, and every slot is freed. The refusals (a method other
-than ngram, more tokens than the artifact verifies, an artifact without the graph, async scheduling) are in
+"""vLLM speculation on an artifact with a verification graph (``--speculation_length 3``): the worker drafts with
+vLLM's ``NgramProposer`` or a draft artifact in an engine of its own, the engine keeps the drafts its own sampler
+agrees with, vLLM counts the rest as rejected. Greedy and seeded tokens equal transformers' (speculation changes how
+many tokens a step yields, never which), vLLM's spec-decode counters count the drafts the runner kept, and every slot is
+freed. The refusals (another method, more tokens than the artifact verifies, an artifact without the graph, async
+scheduling, a draft that is not a one-rank chunked artifact of the target's vocabulary and batch) are in
 test_vllm_platform.py."""
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from tests.utils import settled, subprocess_test
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 FIXTURE = "llama-2x4x8-spec3-eager"
+SELF_DRAFT = "llama-2x4x8-eager"
+"""The target's own tiny llama as a draft artifact: its greedy drafts are the target's greedy tokens."""
+
 SEQUENCE_LENGTH = 32
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
 COPYING = (58, 56)
@@ -109,3 +113,80 @@ def test_the_drafter_proposes_for_verifiable_decodes_within_the_schedulers_budge
     assert (drafts.req_ids, drafts.draft_token_ids) == (ids, [expected, []]), "a prefilling request: no draft"
     assert drafter.draft(engine, ids, budget=1).draft_token_ids == [expected[:1], []]
     assert drafter.draft(engine, ids, budget=0).draft_token_ids == [[], []], "the schedule turned speculation off"
+
+
+@subprocess_test
+def test_a_draft_artifact_proposes_and_the_target_keeps_what_it_would_have_sampled() -> None:
+    from vllm import LLM, SamplingParams
+
+    from optimum.neuron.artifact import read_config
+    from optimum.neuron.runtime.sampling import SamplingParams as OurParams
+
+    artifact, model = export_fixture(FIXTURE), tiny_model("llama")
+    draft = {"method": "draft_model", "model": str(export_fixture(SELF_DRAFT)), "num_speculative_tokens": 3}
+    llm = LLM(model=str(artifact), seed=0, speculative_config=draft, disable_log_stats=False)
+    prompts = [prompt(seed) for seed in (3, 4)]
+    news = [SEQUENCE_LENGTH - len(prompts[0]), 7]  # one to the end of the cache, one stopped by max_tokens
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in news]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for ids, new, out in zip(prompts, news, outputs, strict=True):
+        assert list(out.outputs[0].token_ids) == hf_greedy(model, ids, new), f"greedy after {len(ids)} tokens"
+    counters = spec_counters(llm)
+    drafted, kept = counters["vllm:spec_decode_num_draft_tokens"], counters["vllm:spec_decode_num_accepted_tokens"]
+    assert drafted >= 6 and kept == drafted, f"the model's own greedy drafts were not all kept: {counters}"
+    # (a draft is never proposed past max_tokens or the cache: it could not be kept)
+    steps = [r for r in llm.collective_rpc("step_records")[0] if r["decodes"]]
+    assert len(steps) <= (max(news) - 1) // 4 + 2, f"{len(steps)} decode steps for {max(news)} tokens"
+
+    knobs = {"temperature": 1.3, "top_k": 40, "top_p": 0.9, "seed": 21}
+    ids = prompt(5)
+    new = SEQUENCE_LENGTH - len(ids)
+    sampled = llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=new, ignore_eos=True, **knobs), use_tqdm=False
+    )[0].outputs[0]
+    ours = OurParams(do_sample=True, **knobs)
+    want = hf_sampled(model, ids, new, ours, read_config(artifact).max_topk)
+    assert list(sampled.token_ids) == want, "seeded sampling with greedy drafts"
+    assert settled(lambda: llm.collective_rpc("slot_usage"), [{}]) == [{}], "a finished request kept its KV slot"
+    assert llm.collective_rpc("draft_slot_usage") == [{}], "a finished request kept its draft slot"
+
+
+@subprocess_test
+def test_the_draft_model_follows_the_accepted_tokens() -> None:
+    """The drafter's proposals are the draft model's greedy tokens after what the target kept, round after round: the
+    draft is the target's own model, one sequence greedy (every draft kept), one sampled (drafts partly kept, so the
+    draft sequence is rewound past rejected tokens)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from optimum.neuron.artifact import Artifact
+    from optimum.neuron.runtime.engine import Engine
+    from optimum.neuron.runtime.sampling import SamplingParams as OurParams
+    from optimum.neuron.vllm.drafting import ModelDrafter
+
+    artifact, model = export_fixture(FIXTURE), tiny_model("llama")
+    spec = {"method": "draft_model", "model": str(export_fixture(SELF_DRAFT)), "num_speculative_tokens": 3}
+    drafter = ModelDrafter.of(EngineArgs(model=str(artifact), speculative_config=spec).create_engine_config())
+    target = Engine(Artifact.open(artifact))
+    ids = ["greedy", "sampled"]
+    target.admit("greedy", prompt(6), OurParams(), reuse=False)
+    target.admit("sampled", prompt(7), OurParams(do_sample=True, temperature=1.0, seed=3), reuse=False)
+    target.step({r: target.sequence(r).pending for r in ids})
+    kept: dict[str, list[int]] = {r: [] for r in ids}
+    for _ in range(5):  # propose, verify, and propose again after what the target kept
+        drafts = drafter.draft(target, ids)
+        for seq_id, proposed in zip(ids, drafts.draft_token_ids, strict=True):
+            tokens = target.sequence(seq_id).tokens
+            assert proposed == hf_greedy(model, tokens, 3), f"{seq_id}: not the draft model's greedy tokens"
+        result = target.step({r: 1 for r in ids}, drafts=dict(zip(ids, drafts.draft_token_ids, strict=True)))
+        for seq_id in ids:
+            kept[seq_id].append(result.accepted.get(seq_id, 0))
+    assert kept["greedy"] == [3] * 5, f"the model's own greedy drafts were not all kept: {kept}"
+    assert 0 < sum(kept["sampled"]) < 15, f"sampling kept all or none of the drafts: {kept}"
+    assert drafter.draft(target, ids, budget=0).draft_token_ids == [[], []], "the schedule turned speculation off"
+    target.release("greedy")
+    drafts = drafter.draft(target, ["sampled"], budget=1)
+    assert drafts.draft_token_ids == [hf_greedy(model, target.sequence("sampled").tokens, 1)]
+    assert set(drafter.engine.held_blocks()) == {"sampled"}, "the draft sequence of a released request was kept"
+    target.admit("prefilling", list(range(3, 23)), OurParams(), reuse=False)
+    target.step({"prefilling": 8})
+    assert drafter.draft(target, ["prefilling"]).draft_token_ids == [[]], "a prefilling request: no draft"

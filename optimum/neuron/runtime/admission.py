@@ -20,6 +20,7 @@ from ..models.registry import image_text_family, language_config
 from .images import ImageInput, ImageLimits, check_images
 from .sampling import SamplingParams
 from .sequence import Sequence as Seq
+from .speculation import unverifiable
 
 
 @dataclass(frozen=True)
@@ -90,17 +91,18 @@ class Admission:
                 f"{len(drafts)} tokens proposed for sequence {name!r}, but the artifact verifies at most {most} per "
                 f"step: propose at most {most}, or re-export with a larger --speculation_length."
             )
-        if not (sequence.decoding and count == 1):
-            raise InputError(
-                f"sequence {name!r} is not decoding one token: tokens can be proposed only after its last sampled one."
-            )
-        if sequence.sampler.params.host is not None:
-            raise InputError(f"sequence {name!r} is sampled by a HostSampler, which cannot verify proposed tokens.")
+        why = unverifiable(sequence) or (None if count == 1 else "is not decoding one token")
+        if why:
+            raise InputError(f"sequence {name!r} {why}: tokens proposed after it cannot be verified.")
         ids = self._vocabulary_ids(drafts, "proposed")
+        return ids[: self.draft_room(sequence)]
+
+    def draft_room(self, sequence: Seq) -> int:
+        """How many tokens proposed after decoding ``sequence``'s last one it could keep: a verification call keeps
+        them and samples one of its own, all within the artifact's sequence length and the sequence's ``max_tokens``."""
         room = self.config.sequence_length - sequence.computed - 1
         cap = sequence.sampler.params.max_tokens
-        left = room if cap is None else min(room, cap - len(sequence.generated) - 1)
-        return ids[: max(left, 0)]
+        return max(room if cap is None else min(room, cap - len(sequence.generated) - 1), 0)
 
     def checked_prompt(self, prompt: Sequence[int]) -> list[int]:
         """``prompt`` as a list of ints; `InputError` unless it fits a slot and holds only vocabulary ids."""

@@ -193,6 +193,38 @@ class Engine:
             self.slots.release(sequence.slot)
             self.placement.free(sequence)
 
+    def __contains__(self, seq_id: object) -> bool:
+        """Whether ``seq_id`` is admitted (preempted or not)."""
+        return seq_id in self._sequences
+
+    def rewind(self, seq_id: SeqId, tokens: Seq[int]) -> Sequence:
+        """Make ``tokens`` the token list of ``seq_id``: the cache keeps the rows of their longest common prefix with
+        the tokens it had, the next steps compute the rest (a drafter's engine follows the target's accepted tokens
+        this way, dropping the proposals the target rejected). Only for an engine placing its own blocks without
+        prefix caching (``Engine(..., prefix_cache=False)``): a rewound block's rows are written again, so no other
+        sequence may share it. `InputError` for tokens the artifact refuses or shorter than the prompt, a preempted
+        sequence, one with images or prompt logprobs; nothing changes then."""
+        sequence = self.sequence(seq_id)
+        pool = self.placement
+        if not isinstance(pool, PooledPlacement) or pool.reuse:
+            raise InputError(
+                "rewind() needs an engine placing its own blocks without prefix caching: "
+                "Engine(artifact, prefix_cache=False)."
+            )
+        if sequence.slot is None or sequence.images is not None or sequence.scorer is not None:
+            raise InputError(f"sequence {seq_id!r} cannot be rewound: it is preempted, has images or prompt logprobs.")
+        checked = self.admission.checked_prompt(tokens)
+        if len(checked) < sequence.prompt_len:
+            raise InputError(
+                f"sequence {seq_id!r} is rewound to {len(checked)} tokens, fewer than its {sequence.prompt_len}-token "
+                "prompt: admit it again instead."
+            )
+        kept = _common_prefix(sequence.tokens, checked)
+        sequence.tokens = checked
+        sequence.computed = min(sequence.computed, kept, len(checked) - 1)
+        del sequence.block_hashes[sequence.computed // self.block_size :]
+        return sequence
+
     def held_blocks(self) -> dict[str, list[int]]:
         """The KV blocks each admitted sequence holds (empty while preempted), by its id as a string."""
         return {str(seq_id): list(s.blocks) for seq_id, s in self._sequences.items()}
@@ -465,3 +497,11 @@ def _held(sequence: Sequence) -> int:
     """The slot of a scheduled sequence (`Engine._check_work` refused preempted ones)."""
     assert sequence.slot is not None, f"sequence {sequence.seq_id!r} holds no slot"
     return sequence.slot
+
+
+def _common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))

@@ -20,6 +20,7 @@ from typing import NamedTuple, cast
 import torch
 
 from .sampling import SequenceSampler, sample_on_host
+from .sequence import Sequence as Seq
 
 MATCHING_NGRAM = 2
 """The longest n-gram prompt lookup matches (transformers' ``max_matching_ngram_size`` default)."""
@@ -30,6 +31,21 @@ class Accepted(NamedTuple):
 
     token: int
     logits: torch.Tensor
+
+
+def unverifiable(sequence: Seq) -> str | None:
+    """Why tokens proposed after ``sequence``'s last one cannot be verified now, or None when they can: it must be
+    decoding (its prompt in the cache, one sampled token pending), sampled by the engine's own sampler (a
+    `HostSampler` samples one row per sequence) and ask no logprobs (a step returns one token's). The one rule a
+    drafter and `Admission.check_drafts` both apply."""
+    params = sequence.sampler.params
+    if not sequence.decoding:
+        return "is not decoding (its prompt is not all in the cache, or more than its last token is pending)"
+    if params.host is not None:
+        return "is sampled by a HostSampler, which samples one token per step"
+    if params.logprobs is not None:
+        return "asks logprobs, which a step returns for one token only"
+    return None
 
 
 def accept(logits: torch.Tensor, drafts: Sequence[int], sampler: SequenceSampler, max_topk: int) -> list[Accepted]:

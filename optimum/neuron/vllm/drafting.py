@@ -1,12 +1,17 @@
-"""Speculative decoding through vLLM: the worker drafts with vLLM's n-gram proposer, the engine verifies.
+"""Speculative decoding through vLLM: the worker drafts, the engine verifies.
 
-After each step the worker asks vLLM's ``NgramProposer`` (`compat.ngram_proposer`) for up to k tokens after every
-request that sampled a token and can be verified (sampled by the engine's own sampler, without logprobs: the
-verification call returns one token's logprobs and a HostSampler samples one row); vLLM's scheduler takes them
-(``take_draft_token_ids``) and schedules them after the request's next token; the runner hands them to `Engine.step`,
-whose verification graph keeps those the model's own sampler agrees with (`runtime.speculation.accept`) and returns
-them with one token of its own. vLLM counts the rest as rejected (its spec-decode metrics) and rolls its computed
-count back by them, which leaves it equal to the engine's.
+After each step the worker proposes up to k tokens after every request that sampled a token and can be verified
+(`runtime.speculation.unverifiable`: decoding, sampled by the engine's own sampler, without logprobs); vLLM's scheduler
+takes them (``take_draft_token_ids``) and schedules them after the request's next token; the runner hands them to
+`Engine.step`, whose verification graph keeps those the model's own sampler agrees with (`runtime.speculation.accept`)
+and returns them with one token of its own. vLLM counts the rest as rejected (its spec-decode metrics) and rolls its
+computed count back by them, which leaves it equal to the engine's.
+
+Two drafters, as ``--speculative-config`` asks: `NgramDrafter` (``"method": "ngram"``) runs vLLM's own
+``NgramProposer`` over the request's tokens; `ModelDrafter` (``"method": "draft_model"``) runs a second exported
+artifact, greedy, in an `Engine` of its own (its own KV cache and slots), which follows each request's accepted tokens
+with `Engine.rewind`. Both propose deterministic tokens, so keeping a draft exactly when the target's sampler draws it
+is vLLM's rejection sampling for a point-mass draft distribution: outputs are distributed as without speculation.
 """
 
 from __future__ import annotations
@@ -15,8 +20,33 @@ from typing import Any
 
 import numpy as np
 
+from ..artifact import Artifact
+from ..errors import InputError, SlotError
 from ..runtime.engine import Engine
+from ..runtime.sampling import SamplingParams
+from ..runtime.speculation import unverifiable
 from . import compat
+
+logger = compat.logger(__name__)
+
+
+def draftable(engine: Engine, req_id: str, k: int) -> tuple[list[int], int]:
+    """The tokens of ``req_id`` (it sampled one this step, so it is admitted) and how many of at most ``k`` tokens
+    proposed after them it could keep (`Admission.draft_room`); ``([], 0)`` when the engine cannot verify any."""
+    sequence = engine.sequence(req_id)
+    most = 0 if k <= 0 or unverifiable(sequence) else min(k, engine.admission.draft_room(sequence))
+    return (list(sequence.tokens), most) if most else ([], 0)
+
+
+def drafter_for(vllm_config: Any, rank: int) -> NgramDrafter | ModelDrafter | None:
+    """The drafter ``--speculative-config`` asks for (the platform let only ``ngram`` and ``draft_model`` through), or
+    None. A draft model runs on rank 0 only: vLLM takes the drafts of that rank, and the others verify what it sends."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "draft_model":
+        return ModelDrafter.of(vllm_config) if rank == 0 else None
+    return NgramDrafter.of(vllm_config)
 
 
 class NgramDrafter:
@@ -41,23 +71,86 @@ class NgramDrafter:
         (default k; vLLM's scheduler lowers it by batch size under ``num_speculative_tokens_per_batch_size``) of the
         proposer's tokens for each one the engine can verify, ``[]`` for the others."""
         k = self.k if budget is None else min(self.k, budget)
-        rows = [self._tokens(engine, r) if k > 0 else [] for r in req_ids]
-        if not any(rows):  # nothing to propose for: no [requests, max_model_len] history to build
+        rows = [draftable(engine, r, k) for r in req_ids]
+        if not any(most for _, most in rows):  # nothing to propose for: no [requests, max_model_len] history to build
             return compat.draft_token_ids(list(req_ids), [[] for _ in req_ids])
-        lengths = np.array([len(t) for t in rows], dtype=np.int32)
+        lengths = np.array([len(tokens) for tokens, _ in rows], dtype=np.int32)
         history = np.zeros((len(rows), self.max_model_len), dtype=np.int32)
-        for i, tokens in enumerate(rows):
+        for i, (tokens, _) in enumerate(rows):
             history[i, : len(tokens)] = tokens
-        wanted = [[1] if tokens else [] for tokens in rows]  # the proposer skips a request that sampled nothing
+        wanted = [[1] if most else [] for _, most in rows]  # the proposer skips a request that sampled nothing
         drafts = self.proposer.propose(k, wanted, lengths, history)
-        return compat.draft_token_ids(list(req_ids), [list(map(int, d)) for d in drafts])
+        kept = [list(map(int, d))[:most] for d, (_, most) in zip(drafts, rows, strict=True)]
+        return compat.draft_token_ids(list(req_ids), kept)
 
-    @staticmethod
-    def _tokens(engine: Engine, req_id: str) -> list[int]:
-        """The request's tokens (it sampled one this step, so it is admitted) when the engine can verify tokens
-        proposed after them, else ``[]``."""
-        sequence = engine.sequence(req_id)
-        params = sequence.sampler.params
-        if not sequence.decoding or params.host is not None or params.logprobs is not None:
-            return []
-        return list(sequence.tokens)
+
+GREEDY = SamplingParams()
+
+
+class ModelDrafter:
+    """A second artifact proposing its greedy continuation of each request, in an `Engine` of its own."""
+
+    def __init__(self, engine: Engine, k: int) -> None:
+        self.engine = engine
+        self.k = k
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> ModelDrafter:
+        """The drafter of ``"method": "draft_model"``: the artifact ``"model"`` names (checked by the platform), loaded
+        without prefix caching (its sequences are rewound, `Engine.rewind`)."""
+        spec = vllm_config.speculative_config
+        engine = Engine(Artifact.open(spec.draft_model_config.model), prefix_cache=False)
+        return cls(engine, spec.num_speculative_tokens)
+
+    def draft(self, engine: Engine, req_ids: list[str], budget: int | None = None) -> Any:
+        """vLLM's ``DraftTokenIds`` for ``req_ids`` (the requests that sampled a token this step): up to ``budget``
+        (default k) of the draft model's greedy tokens after each one the target ``engine`` can verify, ``[]`` for the
+        others. Draft sequences of requests the target no longer holds are released first."""
+        self._forget(engine)
+        k = self.k if budget is None else min(self.k, budget)
+        wanted = {r: row for r in req_ids if (row := draftable(engine, r, k))[1]}
+        try:
+            proposed = self.propose(wanted) if wanted else {}
+        except Exception as err:  # a drafter's failure costs the proposals, never the step's tokens
+            logger.error("the draft model failed (%s: %s); no tokens proposed this step", type(err).__name__, err)
+            for req_id in wanted:
+                self.engine.release(req_id)
+            proposed = {}
+        return compat.draft_token_ids(list(req_ids), [proposed.get(r, []) for r in req_ids])
+
+    def propose(self, requests: dict[str, tuple[list[int], int]]) -> dict[str, list[int]]:
+        """For each request's ``(tokens, most)``, up to ``most`` greedy tokens of the draft model after ``tokens``
+        (fewer where the draft's cache ends): the draft sequence is rewound to the tokens (or admitted), then one step
+        feeds what it has not computed and samples the first token, and each further step decodes one more, for every
+        request at once."""
+        most = {r: n for r, (tokens, k) in requests.items() if (n := self._follow(r, tokens, k)) > 0}
+        drafts: dict[str, list[int]] = {r: [] for r in most}
+        while work := {r: self.engine.sequence(r).pending for r in most if len(drafts[r]) < most[r]}:
+            result = self.engine.step(work)
+            for r in work:
+                drafts[r].append(result.tokens[r])
+        return drafts
+
+    def _follow(self, req_id: str, tokens: list[int], k: int) -> int:
+        """Bring the draft sequence of ``req_id`` to ``tokens``; how many tokens it can propose after them (0 when the
+        draft artifact cannot hold them: no proposal then)."""
+        room = min(k, self.engine.config.sequence_length + 1 - len(tokens))
+        if room <= 0:
+            self.engine.release(req_id)
+            return 0
+        try:
+            if req_id in self.engine:
+                self.engine.rewind(req_id, tokens)
+            else:
+                self.engine.admit(req_id, tokens, GREEDY, reuse=False)
+        except (InputError, SlotError) as err:
+            logger.warning("the draft model proposes nothing for request %s: %s", req_id, err)
+            self.engine.release(req_id)
+            return 0
+        return room
+
+    def _forget(self, target: Engine) -> None:
+        """Release the draft sequences of requests the target engine finished or preempted."""
+        for req_id in self.engine.held_blocks():
+            if req_id not in target or target.sequence(req_id).slot is None:
+                self.engine.release(req_id)

@@ -133,18 +133,20 @@ def check_sampling_config(model_config: Any) -> None:
         )
 
 
-def check_speculation(vllm_config: Any, neuron: NeuronConfig) -> None:
-    """Let through vLLM's n-gram speculation (``--speculative-config '{"method": "ngram", ...}'``) on an artifact whose
-    verification graph checks as many tokens; refuse every other speculative setting, saying what to change (vLLM
-    itself refuses n-gram speculation under async scheduling)."""
+def check_speculation(vllm_config: Any, neuron: NeuronConfig, asked_async: bool | None = None) -> None:
+    """Let through vLLM's n-gram speculation (``--speculative-config '{"method": "ngram", ...}'``) and a draft artifact
+    (``{"method": "draft_model", "model": DRAFT, ...}``, `check_draft_artifact`) on an artifact whose verification
+    graph checks as many tokens, under synchronous scheduling; refuse every other speculative setting, saying what to
+    change."""
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None:
         return
-    if spec.method != "ngram":
+    if spec.method not in ("ngram", "draft_model"):
         raise IncompatibleConfigError(
             f"speculative decoding method {spec.method!r} is not supported by optimum-neuronx: use "
-            '--speculative-config \'{"method": "ngram", "num_speculative_tokens": K}\' (prompt lookup; a draft model '
-            "is not wired yet, EAGLE/Medusa heads need trained weights: docs/speculative.md)."
+            '--speculative-config \'{"method": "ngram", "num_speculative_tokens": K}\' (prompt lookup) or '
+            '\'{"method": "draft_model", "model": DRAFT_ARTIFACT, "num_speculative_tokens": K}\' (EAGLE/Medusa heads '
+            "need trained weights: docs/speculative.md)."
         )
     most = neuron.speculation_length
     if most == 0:
@@ -158,6 +160,37 @@ def check_speculation(vllm_config: Any, neuron: NeuronConfig) -> None:
             f"({most}): use num_speculative_tokens <= {most}, or re-export with --speculation_length "
             f"{spec.num_speculative_tokens}."
         )
+    if asked_async:
+        raise IncompatibleConfigError(
+            "speculative decoding runs with synchronous scheduling only (the worker drafts after each step's tokens "
+            "are known): drop --async-scheduling."
+        )
+    if spec.method == "draft_model":
+        check_draft_artifact(spec.draft_model_config.model, neuron)
+
+
+def check_draft_artifact(draft: str, neuron: NeuronConfig) -> None:
+    """A draft model must be an artifact of this toolkit (`drafting.ModelDrafter` runs it in an engine of its own):
+    one rank, a chunked-prefill graph (its sequences are rewound and resume mid-prompt) and as many slots as the
+    target (vLLM itself refuses a draft whose vocabulary is not the target's)."""
+    from ..errors import ArtifactError
+
+    export = "export it with optimum-cli export neuron --model DRAFT --prefill_chunk_size C ... and pass that folder"
+    try:
+        config = read_config(draft)
+    except ArtifactError as err:
+        raise IncompatibleConfigError(f"the draft model {draft} is not an optimum-neuronx artifact: {export}.") from err
+    fixes = {
+        "tp_degree": (config.tp_degree == 1, "1 (the draft runs on one rank)"),
+        "prefill_chunk_size": (config.prefill_chunk_size > 0, "C > 0 (a chunked-prefill graph)"),
+        "batch_size": (config.batch_size >= neuron.batch_size, f">= {neuron.batch_size}, the target's"),
+    }
+    for name, (ok, wanted) in fixes.items():
+        if not ok:
+            raise IncompatibleConfigError(
+                f"the draft artifact {draft} has {name}={getattr(config, name)}: re-export it with "
+                f"{flag(name)} {wanted}."
+            )
 
 
 class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
@@ -238,7 +271,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
             compat.set_served_heads(vllm_config.model_config, *served_heads(neuron))
         check_sampling_config(vllm_config.model_config)
         asked = self._take_asked(vllm_config)
-        check_speculation(vllm_config, neuron)
+        check_speculation(vllm_config, neuron, asked.async_scheduling)
         vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
         speculating = vllm_config.speculative_config is not None
         vllm_config.scheduler_config.async_scheduling = async_scheduling(neuron, asked.async_scheduling, speculating)

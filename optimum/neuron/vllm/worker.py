@@ -25,7 +25,7 @@ from ..modeling import NeuronModelForCausalLM
 from ..models.layers.kv_cache import cache_bytes, tensors_per_layer
 from ..runtime.engine import Engine
 from . import compat
-from .drafting import NgramDrafter
+from .drafting import ModelDrafter, NgramDrafter, drafter_for
 from .runner import Runner
 from .scheduler import runner_output as with_failures
 
@@ -39,8 +39,8 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.runner: Runner | None = None
-        self.drafter: NgramDrafter | None = None
-        """vLLM's n-gram proposer under ``--speculative-config`` (`drafting`)."""
+        self.drafter: NgramDrafter | ModelDrafter | None = None
+        """The drafter ``--speculative-config`` asks for: vLLM's n-gram proposer or a draft artifact (`drafting`)."""
         self._drafts: Any = None
         """What the drafter proposed after the last step, until vLLM takes it (`take_draft_token_ids`)."""
         self._waiting: compat.Step | None = None
@@ -66,7 +66,7 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         artifact = Artifact.open(self.model_config.model)
         engine = Engine(artifact, caller_blocks=True)
         self.runner = Runner(engine)
-        self.drafter = NgramDrafter.of(self.vllm_config)
+        self.drafter = drafter_for(self.vllm_config, engine.rank)
         c = artifact.config
         logger.info(
             "optimum-neuronx serving %s (rank %d of %d): backend=%s device=%s graphs=%s batch_size=%d "
@@ -92,7 +92,7 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         """Finish the step in flight, then drop the engine (weights, graphs, cache)."""
         if self._steps is not None:
             self._steps.shutdown(wait=True)
-        self.runner = None
+        self.runner, self.drafter = None, None
 
     # --- KV cache negotiation ---------------------------------------------------------------
 
@@ -203,6 +203,12 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
     def slot_usage(self) -> dict[int, Any]:
         """Held slots and their request ids (after the step in flight, if any)."""
         return self._on_step_thread(lambda: dict(self.runner.engine.slots.used) if self.runner else {})
+
+    def draft_slot_usage(self) -> dict[int, Any]:
+        """The draft artifact's held slots and their request ids (``{}`` without a draft model)."""
+        drafter = self.drafter
+        engine = drafter.engine if isinstance(drafter, ModelDrafter) else None
+        return self._on_step_thread(lambda: dict(engine.slots.used) if engine else {})
 
     def block_usage(self) -> dict[str, list[int]]:
         """The KV blocks each admitted request holds (after the step in flight, if any)."""
