@@ -1,9 +1,11 @@
 """Prompt-lookup speculative decoding on SmolLM2-135M-Instruct: ``generate(prompt_lookup_num_tokens=k)`` against
 plain generation, in one run; with ``--vllm``, the same workloads through ``vllm.LLM`` with vLLM's n-gram proposer
 (``speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 2}``) against no
-speculation.
+speculation; with ``--vllm --draft D``, a draft artifact instead (``{"method": "draft_model", ...}``): SmolLM2 itself
+with int8 or int4 weights (``--draft int8`` / ``int4``), or its first N decoder layers under its own norm and LM head
+(``--draft layers:N``, an untrained early exit). There is no smaller model with SmolLM2's tokenizer here.
 
-    .venv/bin/python -m benchmark.speculative [--quick] [--rounds N] [--vllm]
+    .venv/bin/python -m benchmark.speculative [--quick] [--rounds N] [--vllm [--draft int8|int4|layers:N]]
 
 Artifacts: fp32, inductor, S=1024, C=256, ``--speculation_length 6``, batch 1 and batch 8 (one verification graph each).
 Workloads, greedy, a fixed number of new tokens (EOS does not stop them):
@@ -56,6 +58,51 @@ def export_for(model_dir: Path, batch: int) -> Path:
         decode_logits=False,
     )
     return cached_export(model_dir, config)
+
+
+def draft_for(model_dir: Path, draft: str) -> Path:
+    """The draft artifact ``draft`` names (batch 1, S and C of the target, no verification graph; cached export)."""
+    from optimum.exporters.neuron.export import cached_export
+    from optimum.neuron.config import NeuronConfig
+
+    weights, source = "float", model_dir
+    if draft in ("int8", "int4"):
+        weights = draft
+    else:
+        source = first_layers(model_dir, int(draft.removeprefix("layers:")))
+    config = NeuronConfig(
+        batch_size=1,
+        sequence_length=SEQUENCE_LENGTH,
+        prefill_chunk_size=CHUNK,
+        weight_format=weights,
+        decode_logits=False,
+    )
+    return cached_export(source, config)
+
+
+def first_layers(model_dir: Path, layers: int) -> Path:
+    """A transformers folder of ``model_dir``'s first ``layers`` decoder layers with its embeddings, final norm and LM
+    head (saved once beside it)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = model_dir.with_name(f"{model_dir.name}-first{layers}")
+    if (out / "config.json").is_file():
+        return out
+    config = AutoConfig.from_pretrained(model_dir)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype="float32")
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    for name in model_dir.iterdir():  # tokenizer and chat template
+        if name.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(name, partial / name.name)
+    partial.rename(out)
+    return out
 
 
 def passages(count: int) -> list[str]:
@@ -113,13 +160,19 @@ def measure(artifact: str, workload: str, count: int, new: int, lookup: int) -> 
     return {"tok_s": made / seconds, "tokens_per_step": made / max(steps[0], 1), "tokens": tokens}
 
 
-def measure_vllm(artifact: str, workload: str, count: int, new: int, lookup: int) -> dict[str, Any]:
-    """`measure` through ``vllm.LLM`` (all prompts in one ``generate`` call, vLLM's n-gram proposer drafting
-    ``lookup`` tokens; 0: no speculation), plus the share of the drafted tokens the verification kept."""
+def measure_vllm(
+    artifact: str, workload: str, count: int, new: int, lookup: int, draft: str | None = None
+) -> dict[str, Any]:
+    """`measure` through ``vllm.LLM`` (all prompts in one ``generate`` call, vLLM's n-gram proposer, or the draft
+    artifact ``draft``, drafting ``lookup`` tokens; 0: no speculation), plus the share of the drafted tokens the
+    verification kept."""
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    spec = {"method": "ngram", "num_speculative_tokens": lookup, "prompt_lookup_max": 2} if lookup else None
+    spec: dict[str, Any] | None = None
+    if lookup:
+        method = {"method": "draft_model", "model": draft} if draft else {"method": "ngram", "prompt_lookup_max": 2}
+        spec = {**method, "num_speculative_tokens": lookup}
     llm = LLM(model=artifact, seed=0, speculative_config=spec, disable_log_stats=False)
     tokenizer = AutoTokenizer.from_pretrained(artifact)
     texts = prompts(workload, count)
@@ -168,6 +221,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=96, help="new tokens per prompt")
     parser.add_argument("--machine", default="cpu-2core", help="results subfolder name")
     parser.add_argument("--vllm", action="store_true", help="through vllm.LLM and vLLM's n-gram proposer, batch 1")
+    parser.add_argument("--draft", help="with --vllm: a draft artifact instead, int8, int4 or layers:N of SmolLM2")
     args = parser.parse_args()
     if args.worker:
         spec = json.loads(args.worker)
@@ -180,6 +234,7 @@ def main() -> None:
     batches, lookups, new = ((1,), (0, 4), 32) if args.quick else ((1,) if args.vllm else (1, 8), LOOKUPS, args.new)
     model_dir = convert_smollm2(default_smollm2_dir("fp32"), dtype="fp32")
     artifacts = {batch: str(export_for(model_dir, batch)) for batch in batches}
+    draft = str(draft_for(model_dir, args.draft)) if args.draft else None
     cells = [(w, b, k) for w in ("copy", "chat") for b in batches for k in lookups]
     samples: dict[str, list[dict[str, Any]]] = {}
     with StepProgress("benchmark prompt-lookup speculation", args.rounds * len(cells)) as bar:
@@ -188,10 +243,12 @@ def main() -> None:
                 count = 2 if args.quick else (4 if batch == 1 else 8)
                 with bar.step(f"{workload}, batch {batch}, k {lookup}"):
                     spec = {"artifact": artifacts[batch], "workload": workload, "count": count, "new": new}
-                    found = run_fresh({**spec, "lookup": lookup, "vllm": args.vllm})
+                    found = run_fresh(
+                        {**spec, "lookup": lookup, "vllm": args.vllm, **({"draft": draft} if draft else {})}
+                    )
                     samples.setdefault(f"{workload} b{batch} k{lookup}", []).append(found)
     body = {"machine": describe(), "rounds": args.rounds, "new": new, "lookups": list(lookups), "cells": {}}
-    body["vllm"] = args.vllm
+    body["vllm"], body["draft"] = args.vllm, args.draft
     for key, runs in samples.items():
         body["cells"][key] = {
             "tok_s": statistics.median(r["tok_s"] for r in runs),
@@ -199,7 +256,8 @@ def main() -> None:
             "kept": statistics.median(r.get("kept", 0.0) for r in runs),
             "tokens": runs[0]["tokens"],
         }
-    name = "speculative" + ("-vllm" if args.vllm else "") + ("-quick" if args.quick else "")
+    drafted = f"-draft-{args.draft.replace(':', '')}" if args.draft else ""
+    name = "speculative" + ("-vllm" if args.vllm else "") + drafted + ("-quick" if args.quick else "")
     out = RESULTS / args.machine / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(body, indent=1))
@@ -209,12 +267,16 @@ def main() -> None:
 
 def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
     """The markdown report: per workload and batch, tok/s and tokens per step of each k against k = 0."""
-    cells, vllm = body["cells"], body.get("vllm", False)
+    cells, vllm, draft = body["cells"], body.get("vllm", False), body.get("draft")
     through = "`vllm.LLM`, vLLM's n-gram proposer" if vllm else "`generate(prompt_lookup_num_tokens=k)`"
+    title = "Prompt-lookup speculative decoding"
+    if draft:
+        through, title = f"`vllm.LLM`, the draft artifact `{draft}` of SmolLM2", "Draft-model speculative decoding"
+    flags = (" --vllm" if vllm else "") + (f" --draft {draft}" if draft else "")
     lines = [
-        f"# Prompt-lookup speculative decoding ({through}): SmolLM2-135M-Instruct fp32, inductor, CPU",
+        f"# {title} ({through}): SmolLM2-135M-Instruct fp32, inductor, CPU",
         "",
-        f"Command: `.venv/bin/python -m benchmark.speculative{' --vllm' if vllm else ''}`. Machine: "
+        f"Command: `.venv/bin/python -m benchmark.speculative{flags}`. Machine: "
         + ", ".join(f"{k} {v}" for k, v in body["machine"].items())
         + f". S={SEQUENCE_LENGTH}, C={CHUNK}, `--speculation_length {SPECULATION}`; greedy, {body['new']} new tokens "
         f"per prompt (EOS not stopping them); each cell in a fresh process, the median of {body['rounds']} "

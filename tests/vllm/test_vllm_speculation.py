@@ -8,6 +8,10 @@ test_vllm_platform.py."""
 
 from __future__ import annotations
 
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +21,7 @@ import torch
 from tests.fixtures.llm.models import export_fixture, tiny_model
 from tests.fixtures.llm.reference import hf_greedy, hf_sampled
 from tests.utils import settled, subprocess_test
+from tests.vllm.server import vllm_serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 FIXTURE = "llama-2x4x8-spec3-eager"
@@ -115,40 +120,55 @@ def test_the_drafter_proposes_for_verifiable_decodes_within_the_schedulers_budge
     assert drafter.draft(engine, ids, budget=0).draft_token_ids == [[], []], "the schedule turned speculation off"
 
 
-@subprocess_test
-def test_a_draft_artifact_proposes_and_the_target_keeps_what_it_would_have_sampled() -> None:
-    from vllm import LLM, SamplingParams
-
+def test_vllm_serve_with_a_draft_artifact_answers_transformers_tokens_and_counts_in_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``vllm serve --speculative-config '{"method": "draft_model", ...}'`` over HTTP, the draft being the target's own
+    tiny model: greedy and seeded completions equal transformers', every greedy draft is kept (``/metrics``), fewer
+    decode steps than tokens, and no slot of the target or the draft is left held."""
     from optimum.neuron.artifact import read_config
     from optimum.neuron.runtime.sampling import SamplingParams as OurParams
 
     artifact, model = export_fixture(FIXTURE), tiny_model("llama")
     draft = {"method": "draft_model", "model": str(export_fixture(SELF_DRAFT)), "num_speculative_tokens": 3}
-    llm = LLM(model=str(artifact), seed=0, speculative_config=draft, disable_log_stats=False)
-    prompts = [prompt(seed) for seed in (3, 4)]
-    news = [SEQUENCE_LENGTH - len(prompts[0]), 7]  # one to the end of the cache, one stopped by max_tokens
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in news]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for ids, new, out in zip(prompts, news, outputs, strict=True):
-        assert list(out.outputs[0].token_ids) == hf_greedy(model, ids, new), f"greedy after {len(ids)} tokens"
-    counters = spec_counters(llm)
-    drafted, kept = counters["vllm:spec_decode_num_draft_tokens"], counters["vllm:spec_decode_num_accepted_tokens"]
-    assert drafted >= 6 and kept == drafted, f"the model's own greedy drafts were not all kept: {counters}"
-    # (a draft is never proposed past max_tokens or the cache: it could not be kept)
-    steps = [r for r in llm.collective_rpc("step_records")[0] if r["decodes"]]
-    assert len(steps) <= (max(news) - 1) // 4 + 2, f"{len(steps)} decode steps for {max(news)} tokens"
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # /collective_rpc: the runner's step records and slots
+    with vllm_serve(artifact, tmp_path / "serve.log", "--speculative-config", json.dumps(draft)) as server:
+        name = server.get("/v1/models")["data"][0]["id"]
+        asked = [(prompt(3), SEQUENCE_LENGTH - len(prompt(3))), (prompt(4), 7)]  # to the cache's end; max_tokens
+        with ThreadPoolExecutor(2) as pool:  # both in flight together: steps of two rows
+            answers = list(pool.map(lambda a: completion(server, name, a[0], a[1], temperature=0.0), asked))
+        for (ids, new), tokens in zip(asked, answers, strict=True):
+            assert tokens == hf_greedy(model, ids, new), f"greedy after {len(ids)} tokens"
+        counters = metric_counters(server)
+        drafted, kept = counters["vllm:spec_decode_num_draft_tokens"], counters["vllm:spec_decode_num_accepted_tokens"]
+        assert drafted >= 6 and kept == drafted, f"the model's own greedy drafts were not all kept: {counters}"
+        steps = [r for r in server.rpc("step_records")[0] if r["decodes"]]
+        assert len(steps) <= (asked[0][1] - 1) // 4 + 3, f"{len(steps)} decode steps for {asked[0][1]} tokens"
+        knobs = {"temperature": 1.3, "top_k": 40, "top_p": 0.9, "seed": 21}
+        ids = prompt(5)
+        new = SEQUENCE_LENGTH - len(ids)
+        want = hf_sampled(model, ids, new, OurParams(do_sample=True, **knobs), read_config(artifact).max_topk)
+        assert completion(server, name, ids, new, **knobs) == want, "seeded sampling with greedy drafts"
+        assert settled(lambda: server.rpc("slot_usage"), [{}]) == [{}], "a finished request kept its KV slot"
+        assert server.rpc("draft_slot_usage") == [{}], "a finished request kept its draft slot"
 
-    knobs = {"temperature": 1.3, "top_k": 40, "top_p": 0.9, "seed": 21}
-    ids = prompt(5)
-    new = SEQUENCE_LENGTH - len(ids)
-    sampled = llm.generate(
-        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=new, ignore_eos=True, **knobs), use_tqdm=False
-    )[0].outputs[0]
-    ours = OurParams(do_sample=True, **knobs)
-    want = hf_sampled(model, ids, new, ours, read_config(artifact).max_topk)
-    assert list(sampled.token_ids) == want, "seeded sampling with greedy drafts"
-    assert settled(lambda: llm.collective_rpc("slot_usage"), [{}]) == [{}], "a finished request kept its KV slot"
-    assert llm.collective_rpc("draft_slot_usage") == [{}], "a finished request kept its draft slot"
+
+def completion(server: Any, name: str, ids: list[int], new: int, **knobs: Any) -> list[int]:
+    """The token ids of a completion of the prompt ``ids``."""
+    body = {"model": name, "prompt": ids, "max_tokens": new, "ignore_eos": True, "return_token_ids": True, **knobs}
+    return list(server.post("/v1/completions", body)["choices"][0]["token_ids"])
+
+
+def metric_counters(server: Any) -> dict[str, float]:
+    """vLLM's spec-decode counters from ``/metrics`` (Prometheus text), summed over engines."""
+    import urllib.request
+
+    with urllib.request.urlopen(server.base + "/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    counters: dict[str, float] = {}
+    for found in re.finditer(r"^(vllm:spec_decode_num_\w+?)(?:_total)?\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE):
+        counters[found.group(1)] = counters.get(found.group(1), 0.0) + float(found.group(2))
+    return counters
 
 
 @subprocess_test
