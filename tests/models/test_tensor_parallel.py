@@ -6,8 +6,10 @@ holds on each rank. Also: the rank layout itself, and the typed errors."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,10 +44,39 @@ def rank_run(name: str) -> dict:
         ids = torch.tensor([prompt(pair[0])])
         args = {"do_sample": True, "temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 11}
         seeded[pair[0]] = model.generate(ids, max_new_tokens=NEW, eos_token_id=[], **args)[0, pair[0] :].tolist()
-    heads = model.engine.kv_cache[0].shape[1]
-    if EXPORT_FIXTURES[name].chunked:
+    result = {"greedy": greedy, "seeded": seeded, "kv_heads": model.engine.kv_cache[0].shape[1]}
+    if EXPORT_FIXTURES[name].speculation:
+        result["lookup"] = lookup_run(model, EXPORT_FIXTURES[name].model())
+    if EXPORT_FIXTURES[name].chunked:  # last: it keeps the slots it fills
         kv_inspection.check_padded_chunk_writes_on(model.engine)
-    return {"greedy": greedy, "seeded": seeded, "kv_heads": heads}
+    return result
+
+
+def lookup_run(model: Any, reference: Path) -> dict[str, Any]:
+    """Prompt lookup on a rank (`LOOKUP_PROMPT` repeats itself, so proposals are made): the greedy tokens, and how many
+    verification calls ran."""
+    from tests.contract.engine_tools import Recorder
+
+    recorder = Recorder(model.engine)
+    ids = lookup_prompt(reference)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, eos_token_id=[], prompt_lookup_num_tokens=3)
+    verified = sum(name == "verification" for name, _ in recorder.calls)
+    return {"tokens": out[0, len(ids) :].tolist(), "verified": verified}
+
+
+@functools.cache
+def lookup_prompt(reference: Path) -> list[int]:
+    """A prompt (6 tokens, twice) after which prompt lookup proposes tokens at some step of the greedy run of the
+    transformers model at ``reference`` (the first such seed: each rank finds the same)."""
+    from optimum.neuron.runtime.speculation import propose_lookup
+    from tests.fixtures.llm.reference import hf_greedy
+
+    for seed in range(200):
+        ids = torch.randint(3, 256, (6,), generator=torch.Generator().manual_seed(seed)).tolist() * 2
+        out = hf_greedy(reference, ids, NEW)
+        if any(propose_lookup(ids + out[:i], 3, set()) for i in range(1, NEW)):
+            return ids
+    raise AssertionError("no prompt makes prompt lookup propose a token")
 
 
 def ranks_run(names: list[str]) -> dict[str, dict]:
@@ -56,6 +87,7 @@ def ranks_run(names: list[str]) -> dict[str, dict]:
 ENGINE_FIXTURES = (
     *(f.name for f in TP_FIXTURES if f.backend == "eager" and f.chunked),
     "qwen3-2x4x8-tp2-inductor",
+    "llama-2x4x8-h6-kv3-tp2-spec3-eager",  # the verification graph on two ranks (prompt lookup)
 )
 """Every family, chunked, on eager: KV heads replicated (llama, one KV head), split (the others) and padded (llama
 with 6 / 3 heads); and qwen3 on inductor (its AOTInductor graphs with their all-reduces, loaded by each rank). The
@@ -81,6 +113,10 @@ def _mismatches(name: str, result: dict) -> list[str]:
     ]
     if result["kv_heads"] != head_layout(AutoConfig.from_pretrained(model), 2).rank_kv_heads:
         wrong.append(f"{name}: a rank's cache holds {result['kv_heads']} KV heads")
+    if "lookup" in result and result["lookup"]["tokens"] != hf_greedy(model, lookup_prompt(model), NEW):
+        wrong.append(f"{name}: greedy with prompt lookup")
+    if "lookup" in result and not result["lookup"]["verified"]:
+        wrong.append(f"{name}: prompt lookup proposed nothing, the verification graph never ran")
     return wrong
 
 
