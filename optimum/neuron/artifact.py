@@ -33,6 +33,7 @@ from .kernels import packed as packed_kernel
 from .models.base import StaticDecoder
 from .models.layers.attention import attention_dims
 from .models.layers.kv_cache import allocate_kv_cache
+from .models.layers.lora import add_lora, lora_weights
 from .models.layers.packed import pack_decoder, packed_weights
 from .models.layers.parallel import head_layout, rank_config, shard_weights
 from .models.layers.quantized import quantize_decoder
@@ -218,6 +219,7 @@ def graph_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
     quantize_decoder(decoder, config)
     if config.packed_linears:
         pack_decoder(decoder)
+    add_lora(decoder, config)
     decoder.paged_attention = config.paged_attention
     return decoder
 
@@ -256,13 +258,14 @@ def graph_weights(
         _check_packed_device(weights)
     if config.packed_linears or config.paged_attention:
         kernel_library.load()
+    adapters = lora_weights(graph_decoder(hf_config, config)) if config.max_loras else {}
     if not config.packed_linears:
-        return weights
+        return weights | adapters
     names = packed_weights(graph_decoder(hf_config, config))
     packed = {name: packed_kernel.pack(tensor) if name in names else tensor for name, tensor in weights.items()}
     for layer in quantized_layers(weights):
         packed.update(_packed_quantized(layer, weights, config.weight_format))
-    return packed
+    return packed | adapters
 
 
 def _packed_quantized(layer: str, weights: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:

@@ -94,6 +94,19 @@ class NeuronConfig:
     ``generate(prompt_lookup_num_tokens=k)`` proposes tokens by matching the sequence's last n-gram against its
     earlier tokens (transformers' prompt lookup), ``k <= K``. 0 compiles no verification graph
     (docs/speculative.md)."""
+    max_loras: int = 0
+    """Multi-LoRA: N > 0 compiles every graph with N adapter slots on the decoder layers' linear projections
+    (`lora_target_modules`): each one adds ``scaling * B[i] (A[i] x)`` for the adapter slot ``i`` of its row (token
+    generation, verification) or chunk (prefill), slot 0 being the base model (all zeros). The stacked adapter tensors
+    are bound like weights, not compiled in: PEFT adapters load and unload at run time without recompiling
+    (``NeuronModelForCausalLM.load_adapter``, ``generate(adapter_name=...)``; docs/lora.md). 0 compiles none."""
+    max_lora_rank: int = 0
+    """Multi-LoRA: the largest adapter rank R the slots hold (a smaller rank is zero-padded); required with
+    `max_loras`."""
+    lora_target_modules: str = "all"
+    """Multi-LoRA: the projections that take adapters, comma-separated leaf names (``q_proj,v_proj``), or ``all``:
+    every linear projection of the decoder layers (attention and dense MLP, Phi-3's fused ones; not MoE routers or
+    experts)."""
     kv_buckets: str = "auto"
     """KV-length buckets: the cache windows ``[0, W)`` a token-generation or chunked-prefill call may attend over,
     the engine running each call in the smallest window that covers what it reads, so attention costs what the
@@ -189,8 +202,18 @@ class NeuronConfig:
             _check_chunk_buckets,
             _check_kv_cache,
             _check_images,
+            _check_lora,
         ):
             check(self)
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The projection leaf names `lora_target_modules` names (the one rule that resolves ``all``); none without
+        `max_loras`."""
+        if not self.max_loras:
+            return ()
+        spec = self.lora_target_modules.strip()
+        return LORA_PROJECTIONS if spec == "all" else tuple(name.strip() for name in spec.split(","))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -613,3 +636,43 @@ def load_config_file(text: str) -> NeuronConfig:
             f"with this environment (optimum-cli export neuron ...){where}."
         )
     return NeuronConfig.from_json(text)
+
+
+LORA_PROJECTIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "qkv_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj",
+)
+"""The linear projections of a decoder layer that can take adapters (``all``): attention, dense MLP, fused Phi-3."""
+
+
+def _check_lora(config: NeuronConfig) -> None:
+    """`max_loras` and `max_lora_rank` are both 0 or both positive, the targets are known projections, and what
+    multi-LoRA does not cover yet is refused."""
+    n, r = config.max_loras, config.max_lora_rank
+    for name, value in (("max_loras", n), ("max_lora_rank", r)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise IncompatibleConfigError(f"{name}={value!r} must be a whole number >= 0: pass {flag(name)} N.")
+    if bool(n) != bool(r):
+        raise IncompatibleConfigError(
+            f"max_loras={n} and max_lora_rank={r}: multi-LoRA needs both, e.g. {flag('max_loras')} 4 "
+            f"{flag('max_lora_rank')} 16 (or neither)."
+        )
+    unknown = [t for t in config.lora_targets if t not in LORA_PROJECTIONS]
+    if unknown or (n and not config.lora_targets):
+        raise IncompatibleConfigError(
+            f"lora_target_modules={config.lora_target_modules!r} names {unknown or 'nothing'}: pass "
+            f"{flag('lora_target_modules')} all, or some of {', '.join(LORA_PROJECTIONS)}."
+        )
+    if n and (config.tp_degree > 1 or config.backend not in ("eager", "inductor")):
+        raise IncompatibleConfigError(
+            f"multi-LoRA (max_loras={n}) runs on the eager and inductor backends with one rank for now, not "
+            f"backend={config.backend!r} with tp_degree={config.tp_degree}: drop {flag('max_loras')} or export with "
+            f"--backend inductor {flag('tp_degree')} 1."
+        )

@@ -75,6 +75,8 @@ class GraphSpec:
     other kinds (their ``tokens`` is fixed)."""
     chunk_size: int = 0
     """Chunked prefill: the artifact's ``prefill_chunk_size``, the length that needs no suffix in the name."""
+    adapters: bool = False
+    """Multi-LoRA (``--max_loras``): the graph also takes ``adapter_ids [batch]``, each row's adapter slot (last)."""
 
     @property
     def name(self) -> str:
@@ -121,6 +123,8 @@ def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
         specs.extend(_as_compiled(logits, config, full_only=True))
     if config.speculation_length:
         specs.extend(_as_compiled(graph_spec(config, GraphKind.VERIFICATION), config))
+    if config.max_loras:
+        specs = [dataclasses.replace(spec, adapters=True) for spec in specs]
     if config.image_tiles:
         specs.append(GraphSpec(GraphKind.VISION_ENCODER, config.image_tiles, 0, False, image_size=config.image_size))
     return tuple(specs)
@@ -239,6 +243,8 @@ def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
         inputs["block_table"] = torch.zeros(spec.batch, max(spec.windows) // spec.block_size, dtype=torch.long)
     if spec.samples_on_device:
         inputs.update(sampling_inputs(spec.batch))
+    if spec.adapters:
+        inputs["adapter_ids"] = torch.zeros(spec.batch, dtype=torch.long)
     return inputs
 
 
@@ -279,13 +285,17 @@ def sampling_inputs(batch: int) -> dict[str, torch.Tensor]:
 def graph_args(kind: GraphKind, inputs: dict[str, torch.Tensor], kv_cache: list[torch.Tensor]) -> tuple:
     """The positional arguments of graph ``kind``, in the order its module's forward takes them: the tokens, their
     positions and cache slots, (image rows), the KV cache, the block table of a graph reading the cache (its window),
-    (sampling inputs)."""
-    window = (inputs["block_table"],) if "block_table" in inputs else ()
+    (sampling inputs), (each row's adapter slot: last, the optional arguments before it given as None)."""
     if kind is GraphKind.VISION_ENCODER:
         return (inputs["pixel_values"],)
+    adapters = (inputs["adapter_ids"],) if "adapter_ids" in inputs else ()
+    window = (inputs["block_table"],) if "block_table" in inputs else ((None,) if adapters else ())
     tokens = (inputs["input_ids"], inputs["position_ids"], inputs["slot_mapping"])
     if kind.is_prefill:  # an image-text prefill graph takes its image rows before the cache (`ImagePrefillGraph`)
         images = tuple(inputs[k] for k in ("image_embeds", "image_mask") if k in inputs)
-        return (*tokens, *images, kv_cache, *window)
-    sampling = tuple(inputs[k] for k in ("temperature", "top_k", "top_p", "uniforms") if k in inputs)
-    return (*tokens, kv_cache, *window, *sampling)
+        return (*tokens, *images, kv_cache, *window, *adapters)
+    if kind is GraphKind.VERIFICATION:
+        return (*tokens, kv_cache, *window, *adapters)
+    names = ("temperature", "top_k", "top_p", "uniforms")
+    sampling = tuple(inputs[k] for k in names if k in inputs) or ((None,) * len(names) if adapters else ())
+    return (*tokens, kv_cache, *window, *sampling, *adapters)

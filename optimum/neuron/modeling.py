@@ -49,6 +49,7 @@ class NeuronModelForCausalLM:
         images: list[list[ImageInput]] | None = None,
         use_prefix_cache: bool = True,
         prompt_lookup_num_tokens: int | None = None,
+        adapter_name: str | None = None,
         **unsupported: Any,
     ) -> Any:
         """Generate like ``transformers``' ``generate``: returns ``[N, L + new]``, the input ids followed
@@ -68,7 +69,8 @@ class NeuronModelForCausalLM:
         k (transformers' prompt lookup decoding) proposes up to k tokens per step by matching the sequence's last
         n-gram against its earlier tokens and verifies them in one call of the verification graph (an artifact
         exported with ``--speculation_length`` K >= k): the tokens are those generation picks without it, in fewer
-        steps when the output repeats its input (docs/speculative.md)."""
+        steps when the output repeats its input (docs/speculative.md). ``adapter_name`` runs every row on a LoRA
+        adapter loaded with `load_adapter` (an artifact exported with ``--max_loras``; docs/lora.md)."""
         if unsupported:
             raise InputError(f"generate() does not support {sorted(unsupported)} on compiled graphs.")
         gen = self.generation_config
@@ -88,7 +90,7 @@ class NeuronModelForCausalLM:
         rows = [i for i in images for _ in range(num_return_sequences)] if images is not None else None
         new = 20 if max_new_tokens is None else max_new_tokens
         lookup = prompt_lookup_num_tokens or 0
-        out = generate(self.engine, prompts, new, params, eos, rows, use_prefix_cache, lookup)
+        out = generate(self.engine, prompts, new, params, eos, rows, use_prefix_cache, lookup, adapter_name)
         width = max(len(t) for t in out.tokens)
         tail = torch.full((len(prompts), width), pad, dtype=torch.long)
         for row, tokens in enumerate(out.tokens):
@@ -107,6 +109,16 @@ class NeuronModelForCausalLM:
             "logits": _per_step(out.logits, width, pad, lambda x: x) if output_logits else None,
         }
         return GenerateDecoderOnlyOutput(**fields)
+
+    def load_adapter(self, path: str | Path, adapter_name: str) -> None:
+        """Load the PEFT LoRA adapter saved at ``path`` (``adapter_config.json`` and its weights) under
+        ``adapter_name``, into one of the artifact's adapter slots (``--max_loras``): ``generate(...,
+        adapter_name=...)`` then runs on it. Nothing is recompiled; `InputError` when it does not fit the slots."""
+        self.engine.load_adapter(adapter_name, path)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        """Unload adapter ``adapter_name``, freeing its slot."""
+        self.engine.unload_adapter(adapter_name)
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The log-probability of each token of each row given the tokens before it, as the model's prefill graphs

@@ -55,6 +55,12 @@ INVALID = [
     ({"sequence_length": 32, "kv_cache_tokens": 16}, "--kv_cache_tokens 32"),
     ({"sequence_length": 32, "kv_block_size": 8, "kv_cache_tokens": 36}, "--kv_cache_tokens 40"),
     ({"kv_cache_tokens": True}, "--kv_cache_tokens N"),
+    ({"max_loras": 2}, "--max_lora_rank 16"),
+    ({"max_lora_rank": 8}, "--max_loras 4"),
+    ({"max_loras": -1, "max_lora_rank": 8}, "--max_loras N"),
+    ({"max_loras": 2, "max_lora_rank": 8, "lora_target_modules": "q_proj,lm_head"}, "--lora_target_modules all"),
+    ({"max_loras": 2, "max_lora_rank": 8, "backend": "xla"}, "--backend inductor"),
+    ({"max_loras": 2, "max_lora_rank": 8, "tp_degree": 2}, "--tensor_parallel_size 1"),
 ]
 
 

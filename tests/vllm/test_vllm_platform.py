@@ -95,6 +95,7 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
         ({"model": spec3, "speculative_config": NGRAM, "async_scheduling": True}, ["async scheduling is only"]),
         ({"model": spec3, "speculative_config": {**NGRAM, "method": "ngram_gpu"}}, ["'ngram_gpu'", "draft_model"]),
         ({"model": spec3, "speculative_config": drafting, "async_scheduling": True}, ["--async-scheduling"]),
+        ({"enable_lora": True, "max_lora_rank": 8}, ["--enable-lora", "docs/lora.md"]),
         *(
             ({"model": spec3, "speculative_config": {**drafting, "model": str(path)}}, fragments)
             for path, fragments in bad_drafts(tmp_path, draft)

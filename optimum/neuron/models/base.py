@@ -22,6 +22,7 @@ from .layers.attention import (
     attention_dims,
 )
 from .layers.embedding import ScaledEmbedding
+from .layers.lora import AdapterRows
 from .layers.mlp import FusedGatedMLP, GatedMLP
 from .layers.packed import head_logits
 from .layers.rope import Rotary, RotaryPerType
@@ -100,6 +101,8 @@ class StaticDecoder(nn.Module):
         self.softcap = family.logit_softcap(hf_config)
         self.paged_attention = False
         """Token generation attends with the paged CPU kernel (set for the graphs: `artifact.graph_decoder`)."""
+        self.adapter_rows: AdapterRows | None = None
+        """Multi-LoRA: the rows' adapter slots its LoRA projections read (`layers.lora.add_lora`); None without."""
         self.lm_head: nn.Linear | None = None
         if not self.tied:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
@@ -138,13 +141,33 @@ class StaticDecoder(nn.Module):
         kv_cache: list[torch.Tensor],
         block_table: torch.Tensor | None,
         image_rows: ImageRows | None = None,
+        adapter_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run graph ``spec.kind``: each token writes its K/V at cache row ``slot_mapping`` and reads its sequence's
-        earlier positions through ``block_table`` (the blocks of the call's KV window; ``None``: the graph reads no
-        earlier cache). Prefill kinds return last-real-token logits ``[1, V]`` (every column's ``[T, V]`` for an
-        ``all_rows`` graph), splicing ``image_rows`` in when given; token generation returns logits ``[B, V]``
-        (sampling is applied by `TokenGenerationGraph`); verification, each row's tokens attending like a chunk of its
-        own sequence, returns every column's logits ``[B, K + 1, V]``."""
+        """Run graph ``spec.kind`` (with multi-LoRA, each row on its adapter slot ``adapter_ids [rows]``): each token
+        writes its K/V at cache row ``slot_mapping`` and reads its sequence's earlier positions through ``block_table``
+        (the blocks of the call's KV window; ``None``: the graph reads no earlier cache). Prefill kinds return
+        last-real-token logits ``[1, V]`` (every column's ``[T, V]`` for an ``all_rows`` graph), splicing ``image_rows``
+        in when given; token generation returns logits ``[B, V]`` (sampling is applied by `TokenGenerationGraph`);
+        verification, each row's tokens attending like a chunk of its own sequence, returns every column's logits ``[B,
+        K + 1, V]``."""
+        if self.adapter_rows is None:
+            return self._run(spec, input_ids, position_ids, slot_mapping, kv_cache, block_table, image_rows)
+        self.adapter_rows.ids = adapter_ids
+        try:
+            return self._run(spec, input_ids, position_ids, slot_mapping, kv_cache, block_table, image_rows)
+        finally:
+            self.adapter_rows.ids = None
+
+    def _run(
+        self,
+        spec: GraphSpec,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache: list[torch.Tensor],
+        block_table: torch.Tensor | None,
+        image_rows: ImageRows | None,
+    ) -> torch.Tensor:
         block = spec.block_size
         if spec.kind is GraphKind.TOKEN_GENERATION:
             assert block_table is not None, "token generation reads the cache"
@@ -188,8 +211,9 @@ class PrefillGraph(_Graph):
         slot_mapping: torch.Tensor,
         kv_cache: list[torch.Tensor],
         block_table: torch.Tensor | None = None,
+        adapter_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.decoder(self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table)
+        return self.decoder(self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table, None, adapter_ids)
 
 
 class ImagePrefillGraph(_Graph):
@@ -205,9 +229,12 @@ class ImagePrefillGraph(_Graph):
         image_mask: torch.Tensor,
         kv_cache: list[torch.Tensor],
         block_table: torch.Tensor | None = None,
+        adapter_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         images = (image_embeds, image_mask)
-        return self.decoder(self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table, images)
+        return self.decoder(
+            self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table, images, adapter_ids
+        )
 
 
 class TokenGenerationGraph(_Graph):
@@ -224,8 +251,11 @@ class TokenGenerationGraph(_Graph):
         top_k: torch.Tensor | None = None,
         top_p: torch.Tensor | None = None,
         uniforms: torch.Tensor | None = None,
+        adapter_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        logits = self.decoder(self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table)
+        logits = self.decoder(
+            self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table, None, adapter_ids
+        )
         if not self.spec.samples_on_device:
             return logits
         assert temperature is not None and top_k is not None and top_p is not None and uniforms is not None

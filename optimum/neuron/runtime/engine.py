@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from ..graphs import GraphCall, GraphKind, GraphSpec, graph_args, graph_specs, p
 from ..models.base import StaticDecoder, graph_module
 from ..models.layers.masks import actual_tokens_mask
 from ..models.registry import language_config
+from .adapters import AdapterSlots
 from .admission import Admission
 from .blocks import BlockPool
 from .images import ImageInput, SequenceImages
@@ -92,6 +94,8 @@ class Engine:
             name: backend.load(artifact.graph_path(name), self.weights, partial(self._module, spec))
             for name, spec in self.specs.items()
         }
+        self.adapters = AdapterSlots(self.config, self.weights)
+        """Multi-LoRA: the PEFT adapters loaded in the artifact's adapter slots (`load_adapter`)."""
         self.admission = Admission.of(self.model_config, self.config)
         """What the artifact accepts as a new sequence (prompt, images, sampling): `admit`'s refusals."""
         self.image_limits = self.admission.images
@@ -138,21 +142,25 @@ class Engine:
         computed: int = 0,
         reserve: int = 0,
         reuse: bool = True,
+        adapter: str | None = None,
     ) -> Sequence:
         """Take a slot and KV blocks for a new sequence (with the ``images`` whose rows its prompt's placeholders take,
-        for an image-text artifact). The engine's own placement takes the cached blocks of the prompt's longest cached
-        prefix (unless ``reuse`` is off) and new blocks for ``reserve`` positions (at least the prompt); a caller that
-        places blocks gives them, ``blocks``, with the ``computed`` tokens already in them. `InputError` for a prompt,
-        images, sampling or placement the artifact cannot serve, `SlotError` when every slot is taken or the pool is
-        full. Everything that can fail runs before the slot is taken, last: nothing is held after an error."""
+        for an image-text artifact; on the loaded LoRA ``adapter``, or the base model). The engine's own placement takes
+        the cached blocks of the prompt's longest cached prefix (unless ``reuse`` is off) and new blocks for ``reserve``
+        positions (at least the prompt); a caller that places blocks gives them, ``blocks``, with the ``computed``
+        tokens already in them. `InputError` for a prompt, images, sampling or placement the artifact cannot serve,
+        `SlotError` when every slot is taken or the pool is full. Everything that can fail runs before the slot is
+        taken, last: nothing is held after an error."""
         if seq_id in self._sequences:
             raise InputError(f"sequence {seq_id!r} is already admitted: release it first, or use another id.")
         tokens = self.admission.check(prompt, params, images)
+        adapter_slot, adapter_key = self.adapters.slot(adapter)
         sampler = SequenceSampler(params)
         scorer = None if params.prompt_logprobs is None else PromptScorer(list(tokens), params.prompt_logprobs)
         pictures = None if self.image_limits is None else SequenceImages(list(images))
         capacity = self.config.sequence_length
         sequence = Sequence(seq_id, None, tokens, len(tokens), capacity, sampler, scorer=scorer, images=pictures)
+        sequence.adapter, sequence.adapter_key = adapter_slot, adapter_key
         place(self.placement, sequence, blocks, computed, reserve, reuse)
         sequence.slot = self._take_slot(sequence)
         self._sequences[seq_id] = sequence
@@ -192,6 +200,24 @@ class Engine:
         if sequence is not None and sequence.slot is not None:
             self.slots.release(sequence.slot)
             self.placement.free(sequence)
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Load the PEFT LoRA adapter at ``path`` into a free adapter slot under ``name`` (`runtime.adapters`): the
+        sequences admitted with ``adapter=name`` then run on it, beside others on other adapters or none. `InputError`
+        when the artifact has no slots, every slot is taken, or the adapter does not fit what was compiled."""
+        if not self.config.max_loras:
+            raise InputError(
+                "this artifact has no adapter slots: re-export with --max_loras N --max_lora_rank R to load adapters."
+            )
+        self.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Free adapter ``name``'s slot; `InputError` while an admitted sequence runs on it."""
+        slot, _ = self.adapters.slot(name)
+        users = [s.seq_id for s in self._sequences.values() if s.adapter == slot]
+        if users:
+            raise InputError(f"adapter {name!r} is in use by {users[:3]}: release them before unloading it.")
+        self.adapters.unload(name)
 
     def __contains__(self, seq_id: object) -> bool:
         """Whether ``seq_id`` is admitted (preempted or not)."""
@@ -368,6 +394,8 @@ class Engine:
         inputs = decode_rows(self.config.batch_size, active, window // self.block_size, self.block_size)
         if spec.samples_on_device:
             inputs.update(sampling_tensors(rows, self.config.max_topk))
+        if spec.adapters:
+            inputs["adapter_ids"] = self._adapter_ids(by_slot)
         out = self._call(spec, inputs)
         logits = None if spec.samples_on_device else out.float().cpu()
         tokens = out.cpu() if logits is None else sample_on_host(logits, rows, self.config.max_topk)
@@ -395,6 +423,8 @@ class Engine:
         }
         width = window // self.block_size
         inputs = verify_rows(self.config.batch_size, active, spec.tokens, width, self.block_size)
+        if spec.adapters:
+            inputs["adapter_ids"] = self._adapter_ids(by_slot)
         logits = self._call(spec, inputs).float().cpu()
         for slot, sequence in by_slot.items():
             result.decodes.append(sequence.seq_id)
@@ -449,6 +479,8 @@ class Engine:
             inputs.update(self._image_rows(sequence, start, count, size, result))
         if window:
             inputs["block_table"] = table_rows([sequence.blocks], window // self.block_size)
+        if spec.adapters:
+            inputs["adapter_ids"] = torch.tensor([sequence.adapter], dtype=torch.long)
         out = self._call(spec, inputs).float().cpu()
         return out[actual_tokens_mask(positions)[0]] if all_rows else out
 
@@ -486,6 +518,13 @@ class Engine:
         tokens, scored = sampler.sample(logits, {slot: sequence for slot, (sequence, _) in host.items()})
         for slot, (sequence, row) in host.items():
             result.append(sequence, int(tokens[slot]), row, scored[slot])
+
+    def _adapter_ids(self, by_slot: dict[int, Sequence]) -> torch.Tensor:
+        """Each token-generation row's adapter slot (0, the base model, for rows without a sequence)."""
+        ids = torch.zeros(self.config.batch_size, dtype=torch.long)
+        for slot, sequence in by_slot.items():
+            ids[slot] = sequence.adapter
+        return ids
 
     def _call(self, spec: GraphSpec, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run graph ``spec`` on ``inputs`` (a graph reading the cache: in the KV window of its ``block_table``)."""

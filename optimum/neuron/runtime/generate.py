@@ -41,13 +41,15 @@ def generate(
     images: Seq[Seq[ImageInput]] | None = None,
     use_prefix_cache: bool = True,
     prompt_lookup: int = 0,
+    adapter: str | None = None,
 ) -> Generation:
     """New tokens (and, with ``params.return_logits``, their logits) for each prompt (``images[i]``: the images of
     prompt i, image-text artifacts). Each sequence takes, when admitted, the KV blocks of its whole run (prompt and
     ``max_new_tokens``), so a full pool is refused before anything runs; the blocks of a prompt prefix an earlier call
     computed are reused unless ``use_prefix_cache`` is off. With ``prompt_lookup`` k > 0 (an artifact exported with
     ``--speculation_length`` K >= k), each decode step verifies up to k tokens proposed by prompt lookup: the same
-    tokens, fewer steps. Every slot and block taken is given back, whatever happens."""
+    tokens, fewer steps. Every row runs on the loaded LoRA ``adapter`` (None: the base model). Every slot and block
+    taken is given back, whatever happens."""
     _check_batch(engine, prompts, max_new_tokens)
     _check_lookup(engine, prompt_lookup)
     call = object()  # this call's sequence ids cannot clash with anyone else's
@@ -62,6 +64,7 @@ def generate(
                 images[row] if images else (),
                 reserve=len(p) + max_new_tokens,
                 reuse=use_prefix_cache,
+                adapter=adapter,
             )
             for row, p in enumerate(prompts)
         ]

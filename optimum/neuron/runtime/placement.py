@@ -75,10 +75,11 @@ class PooledPlacement:
         """The hashes of ``sequence``'s first ``count`` blocks of tokens (those already known are reused)."""
         hashes = list(sequence.block_hashes[:count])
         size = self.block_size
+        root = block_hash(None, (), (("adapter", sequence.adapter_key),)) if sequence.adapter_key else None
         for index in range(len(hashes), count):
             extra = None if sequence.images is None else sequence.images.keys(index * size, (index + 1) * size)
             tokens = sequence.tokens[index * size : (index + 1) * size]
-            hashes.append(block_hash(hashes[-1] if hashes else None, tokens, extra))
+            hashes.append(block_hash(hashes[-1] if hashes else root, tokens, extra))
         return hashes
 
 

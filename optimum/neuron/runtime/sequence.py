@@ -47,6 +47,10 @@ class Sequence:
     block_size)`` (`runtime.placement`); empty while preempted."""
     block_hashes: list[bytes] = field(default_factory=list)
     """The prefix-cache hashes of its first full, computed blocks, in order (the engine's own placement only)."""
+    adapter: int = 0
+    """Its multi-LoRA adapter slot (0: the base model; `runtime.adapters`)."""
+    adapter_key: str = ""
+    """A key unique to the load of its adapter ("" for the base model): its blocks are cached apart from others'."""
 
     @property
     def pending(self) -> int:

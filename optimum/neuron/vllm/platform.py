@@ -133,6 +133,17 @@ def check_sampling_config(model_config: Any) -> None:
         )
 
 
+def check_lora(vllm_config: Any) -> None:
+    """Refuse ``--enable-lora``: the worker does not map vLLM's LoRA requests to adapter slots yet, and serving a LoRA
+    request on the base model would answer it wrongly."""
+    if getattr(vllm_config, "lora_config", None) is not None:
+        raise IncompatibleConfigError(
+            "--enable-lora is not supported by optimum-neuronx's vLLM plugin yet: drop it. PEFT adapters are served by "
+            "NeuronModelForCausalLM.load_adapter() and generate(adapter_name=...) on an artifact exported with "
+            "--max_loras N --max_lora_rank R (docs/lora.md)."
+        )
+
+
 def check_speculation(vllm_config: Any, neuron: NeuronConfig, asked_async: bool | None = None) -> None:
     """Let through vLLM's n-gram speculation (``--speculative-config '{"method": "ngram", ...}'``) and a draft artifact
     (``{"method": "draft_model", "model": DRAFT, ...}``, `check_draft_artifact`) on an artifact whose verification
@@ -272,6 +283,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         check_sampling_config(vllm_config.model_config)
         asked = self._take_asked(vllm_config)
         check_speculation(vllm_config, neuron, asked.async_scheduling)
+        check_lora(vllm_config)
         vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
         speculating = vllm_config.speculative_config is not None
         vllm_config.scheduler_config.async_scheduling = async_scheduling(neuron, asked.async_scheduling, speculating)
