@@ -76,6 +76,9 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     speculating = engine_config(spec3, speculative_config=NGRAM)  # vLLM's n-gram drafts, verified by the artifact
     assert speculating.speculative_config.num_speculative_tokens == 3
     assert not speculating.scheduler_config.async_scheduling, "the worker drafts between synchronous steps"
+    lora2 = export_fixture("llama-2x4x8-lora2-eager")  # two adapter slots of rank 8
+    lora = engine_config(lora2, enable_lora=True, max_loras=2, max_lora_rank=8).lora_config
+    assert (lora.max_loras, lora.max_lora_rank) == (2, 8)
     draft = export_fixture("qwen3-2x4x8-eager")  # another model, the same vocabulary: a draft artifact
     drafting = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
     speculating = engine_config(spec3, speculative_config=drafting)
@@ -95,7 +98,9 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
         ({"model": spec3, "speculative_config": NGRAM, "async_scheduling": True}, ["async scheduling is only"]),
         ({"model": spec3, "speculative_config": {**NGRAM, "method": "ngram_gpu"}}, ["'ngram_gpu'", "draft_model"]),
         ({"model": spec3, "speculative_config": drafting, "async_scheduling": True}, ["--async-scheduling"]),
-        ({"enable_lora": True, "max_lora_rank": 8}, ["--enable-lora", "docs/lora.md"]),
+        ({"enable_lora": True, "max_lora_rank": 8}, ["--enable-lora", "--max_loras N", "docs/lora.md"]),
+        ({"model": lora2, "enable_lora": True, "max_loras": 3, "max_lora_rank": 8}, ["--max-loras 2", "--max_loras 3"]),
+        ({"model": lora2, "enable_lora": True, "max_lora_rank": 16}, ["--max-lora-rank 8", "--max_lora_rank 16"]),
         *(
             ({"model": spec3, "speculative_config": {**drafting, "model": str(path)}}, fragments)
             for path, fragments in bad_drafts(tmp_path, draft)

@@ -41,6 +41,22 @@ class ImageItem:
 
 
 @dataclass(frozen=True)
+class LoraAdapter:
+    """The LoRA adapter a request runs on (vLLM's ``LoRARequest``): its id, name and PEFT folder."""
+
+    lora_id: int
+    name: str
+    path: str
+
+
+def read_lora(lora_request: Any) -> LoraAdapter | None:
+    """A ``LoRARequest`` (or None) as plain data."""
+    if lora_request is None:
+        return None
+    return LoraAdapter(int(lora_request.lora_int_id), str(lora_request.lora_name), str(lora_request.lora_path))
+
+
+@dataclass(frozen=True)
 class NewRequest:
     """A request the scheduler sends for the first time (``NewRequestData``)."""
 
@@ -52,6 +68,8 @@ class NewRequest:
     block_ids: list[int]
     """Its KV blocks, in position order (of the one KV cache group)."""
     images: tuple[ImageItem, ...] = ()
+    lora: LoraAdapter | None = None
+    """The LoRA adapter it runs on (``--enable-lora``); None: the base model."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +119,7 @@ def read_step(scheduler_output: Any) -> Step:
             r.num_computed_tokens,
             _one_group(r.block_ids) or [],
             read_images(r),
+            read_lora(r.lora_request),
         )
         for r in scheduler_output.scheduled_new_reqs
     ]

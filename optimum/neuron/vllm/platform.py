@@ -133,14 +133,26 @@ def check_sampling_config(model_config: Any) -> None:
         )
 
 
-def check_lora(vllm_config: Any) -> None:
-    """Refuse ``--enable-lora``: the worker does not map vLLM's LoRA requests to adapter slots yet, and serving a LoRA
-    request on the base model would answer it wrongly."""
-    if getattr(vllm_config, "lora_config", None) is not None:
+def check_lora(vllm_config: Any, neuron: NeuronConfig) -> None:
+    """``--enable-lora`` needs an artifact with adapter slots (``--max_loras``): at least as many as vLLM's
+    ``--max-loras`` (the distinct adapters its scheduler runs at once), of at least its ``--max-lora-rank``."""
+    lora = getattr(vllm_config, "lora_config", None)
+    if lora is None:
+        return
+    if not neuron.max_loras:
         raise IncompatibleConfigError(
-            "--enable-lora is not supported by optimum-neuronx's vLLM plugin yet: drop it. PEFT adapters are served by "
-            "NeuronModelForCausalLM.load_adapter() and generate(adapter_name=...) on an artifact exported with "
-            "--max_loras N --max_lora_rank R (docs/lora.md)."
+            f"--enable-lora needs adapter slots, which {vllm_config.model_config.model} was exported without: "
+            "re-export it with --max_loras N --max_lora_rank R (docs/lora.md), or drop --enable-lora."
+        )
+    if lora.max_loras > neuron.max_loras:
+        raise IncompatibleConfigError(
+            f"--max-loras {lora.max_loras} is more than the artifact's {neuron.max_loras} adapter slots: pass "
+            f"--max-loras {neuron.max_loras} or less, or re-export with --max_loras {lora.max_loras}."
+        )
+    if lora.max_lora_rank > neuron.max_lora_rank:
+        raise IncompatibleConfigError(
+            f"--max-lora-rank {lora.max_lora_rank} is above the artifact's adapter rank {neuron.max_lora_rank}: pass "
+            f"--max-lora-rank {neuron.max_lora_rank}, or re-export with --max_lora_rank {lora.max_lora_rank}."
         )
 
 
@@ -283,7 +295,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         check_sampling_config(vllm_config.model_config)
         asked = self._take_asked(vllm_config)
         check_speculation(vllm_config, neuron, asked.async_scheduling)
-        check_lora(vllm_config)
+        check_lora(vllm_config, neuron)
         vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
         speculating = vllm_config.speculative_config is not None
         vllm_config.scheduler_config.async_scheduling = async_scheduling(neuron, asked.async_scheduling, speculating)

@@ -28,6 +28,7 @@ from ..runtime.sequence import StepResult
 from . import compat
 from .compat import CachedRequest, NewRequest, Step
 from .host_sampling import HostSampling
+from .lora import VllmAdapters
 from .sampling import to_images, to_sampling_params
 
 logger = compat.logger(__name__)
@@ -66,6 +67,8 @@ class Runner:
     def __init__(self, engine: Engine, keep_records: int = 10_000) -> None:
         self.engine = engine
         self.host = HostSampling(engine.config.batch_size, engine.hf_config.vocab_size)
+        self.adapters = VllmAdapters(engine) if engine.config.max_loras else None
+        """vLLM's LoRA adapters on the engine's adapter slots (``--enable-lora``, `vllm.lora`)."""
         self.records: deque[StepRecord] = deque(maxlen=keep_records)
         self._steps = 0
 
@@ -102,7 +105,14 @@ class Runner:
         """Admit a new request in the blocks vLLM placed it in, its prefix-cache hit already computed."""
         params, images = to_sampling_params(new.sampling_params), to_images(new.images)
         blocks, computed = new.block_ids, new.num_computed_tokens
-        self.engine.admit(new.req_id, new.prompt_token_ids, params, images, blocks=blocks, computed=computed)
+        adapter = None
+        if new.lora is not None:
+            if self.adapters is None:
+                raise InputError("a LoRA request on an artifact without adapter slots: re-export with --max_loras.")
+            adapter = self.adapters.slot_name(new.lora)
+        self.engine.admit(
+            new.req_id, new.prompt_token_ids, params, images, blocks=blocks, computed=computed, adapter=adapter
+        )
 
     def _step(
         self, work: dict[str, int], grammar_output: Any, failed: dict[str, str], drafts: dict[str, list[int]]

@@ -190,6 +190,29 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         drafts, self._drafts = self._drafts, None
         return drafts
 
+    # --- LoRA adapters (--enable-lora on an artifact exported with --max_loras) ---------------
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Remember vLLM's adapter; it is loaded into a slot when a request runs on it (`vllm.lora`)."""
+        adapter = compat.read_lora(lora_request)
+        return self._on_step_thread(lambda: self._adapters().add(adapter) if adapter else False)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget the adapter and free its slot (False while a request runs on it)."""
+        return self._on_step_thread(lambda: self._adapters().remove(lora_id))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep the adapter in its slot once loaded."""
+        return self._on_step_thread(lambda: self._adapters().pin(lora_id))
+
+    def list_loras(self) -> set[int]:
+        """The adapters this worker knows."""
+        return self._on_step_thread(lambda: self._adapters().ids())
+
+    def _adapters(self) -> Any:
+        assert self.runner is not None and self.runner.adapters is not None, "--enable-lora on a LoRA artifact only"
+        return self.runner.adapters
+
     def check_health(self) -> None:
         """Healthy while loaded."""
 
