@@ -670,9 +670,8 @@ def _check_lora(config: NeuronConfig) -> None:
             f"lora_target_modules={config.lora_target_modules!r} names {unknown or 'nothing'}: pass "
             f"{flag('lora_target_modules')} all, or some of {', '.join(LORA_PROJECTIONS)}."
         )
-    if n and (config.tp_degree > 1 or config.backend not in ("eager", "inductor")):
+    if n and config.backend not in ("eager", "inductor"):
         raise IncompatibleConfigError(
-            f"multi-LoRA (max_loras={n}) runs on the eager and inductor backends with one rank for now, not "
-            f"backend={config.backend!r} with tp_degree={config.tp_degree}: drop {flag('max_loras')} or export with "
-            f"--backend inductor {flag('tp_degree')} 1."
+            f"multi-LoRA (max_loras={n}) runs on the eager and inductor backends for now, not "
+            f"backend={config.backend!r}: drop {flag('max_loras')} or export with --backend inductor."
         )

@@ -8,6 +8,8 @@ of 8) and generations across the KV window edge at 16. Then the refusals, each n
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -130,3 +132,33 @@ def _slot_tensors(engine: Engine) -> list[tuple[torch.Tensor, torch.Tensor, torc
     names = sorted(n.removesuffix(".lora_a") for n in engine.weights if n.endswith(".lora_a"))
     pairs = [(engine.weights[f"{n}.lora_a"], engine.weights[f"{n}.lora_b"]) for n in names]
     return [(a[2], b[2], torch.cat([a[2].flatten(), b[2].flatten()])) for a, b in pairs]
+
+
+def rank_tokens(keys: list[str | None]) -> list[list[int]]:
+    """On one tensor-parallel rank of the ``-tp2-lora2`` fixture: greedy tokens on each adapter of ``keys`` (None: the
+    base model), the adapters loaded into the rank's slots (its part of A and B)."""
+    from optimum.neuron import NeuronModelForCausalLM
+
+    model = NeuronModelForCausalLM.from_pretrained(export_fixture("llama-2x4x8-tp2-lora2-eager"))
+    for key in {k for k in keys if k}:
+        model.load_adapter(peft_adapter(key), key)
+    ids = torch.tensor([prompt(11, seed=85)])
+    return [model.generate(ids, max_new_tokens=NEW, eos_token_id=[], adapter_name=k)[0, 11:].tolist() for k in keys]
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_equal_peft(tmp_path: Path) -> None:
+    """Each rank holds its slice of every adapter: A's columns for the o and down projections (the delta joins the
+    partial product before the all-reduce), B's rows for the others."""
+    from tests.models.ranks import run_on_ranks
+
+    keys: list[str | None] = ["a", "b", None]
+    export_fixture("llama-2x4x8-tp2-lora2-eager")
+    for key in ("a", "b"):
+        peft_adapter(key)  # made here, not by both ranks
+    ranks = run_on_ranks(2, rank_tokens, keys, tmp=tmp_path)
+    assert ranks[0] == ranks[1], "the ranks generated different tokens"
+    ids = prompt(11, seed=85)
+    for key, tokens in zip(keys, ranks[0], strict=True):
+        adapter = peft_adapter(key) if key else None
+        assert tokens == hf_greedy(tiny_model("llama"), ids, NEW, adapter=adapter), f"adapter {key}"

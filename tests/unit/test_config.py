@@ -60,7 +60,6 @@ INVALID = [
     ({"max_loras": -1, "max_lora_rank": 8}, "--max_loras N"),
     ({"max_loras": 2, "max_lora_rank": 8, "lora_target_modules": "q_proj,lm_head"}, "--lora_target_modules all"),
     ({"max_loras": 2, "max_lora_rank": 8, "backend": "xla"}, "--backend inductor"),
-    ({"max_loras": 2, "max_lora_rank": 8, "tp_degree": 2}, "--tensor_parallel_size 1"),
 ]
 
 

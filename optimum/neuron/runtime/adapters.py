@@ -1,6 +1,6 @@
 """The engine's multi-LoRA adapter slots (``--max_loras N``): which PEFT adapter each slot holds, loaded in place.
 
-The graphs bind, per targeted projection, ``lora_a [N + 1, R, in]`` and ``lora_b [N + 1, out, R]``
+The graphs bind, per targeted projection, ``lora_a [N + 1, R, in]`` and ``lora_b [N + 1, R, out]``
 (`models.layers.lora`) like weights. Loading an adapter reads its PEFT folder with peft's own readers
 (``PeftConfig.from_pretrained``, ``load_peft_weights``), checks it fits what was compiled, and copies its A and its B
 times the projection's scaling (``lora_alpha / r``, ``/ sqrt(r)`` with rsLoRA; the rank zero-padded to R) into a free
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from ..config import NeuronConfig, flag
 from ..errors import InputError
 from ..models.layers.lora import LORA_BUFFERS
 
+RankPart = Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""A tensor-parallel rank's part of a projection's adapter ``(A, B)``."""
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before the model's own module names in an adapter's weights."""
 
@@ -28,8 +31,13 @@ PEFT_PREFIX = "base_model.model."
 class AdapterSlots:
     """The adapter slots of one engine's weight set."""
 
-    def __init__(self, config: NeuronConfig, weights: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, config: NeuronConfig, weights: dict[str, torch.Tensor], rank_part: RankPart | None = None
+    ) -> None:
+        """The slots in ``weights`` (a graph weight set); ``rank_part`` slices an adapter's A and B of a projection to
+        this tensor-parallel rank's part (`layers.parallel.lora_rank_part`; None: one rank)."""
         self.capacity, self.rank, self.dtype = config.max_loras, config.max_lora_rank, config.torch_dtype
+        self.rank_part = rank_part
         self.modules = sorted({name.rpartition(".")[0] for name in weights if name.endswith(".lora_a")})
         """The projections that take adapters (their names in the model)."""
         self._tensors = {m: tuple(weights[f"{m}.{b}"] for b in LORA_BUFFERS) for m in self.modules}
@@ -71,7 +79,7 @@ class AdapterSlots:
                 if module in parts:
                     lora_a, lora_b, scale = parts[module]
                     a[slot, : lora_a.shape[0]] = lora_a.to(a.dtype)
-                    b[slot, :, : lora_b.shape[1]] = (lora_b.double() * scale).to(b.dtype)
+                    b[slot, : lora_b.shape[1]] = (lora_b.double() * scale).t().to(b.dtype)
         self.loaded[name] = (slot, f"{name}#{next(self._loads)}")
         return slot
 
@@ -112,8 +120,10 @@ class AdapterSlots:
         self, name: str, module: str, tensors: dict[str, torch.Tensor], config: Any
     ) -> tuple[torch.Tensor, torch.Tensor, float]:
         a, b = tensors.get("A"), tensors.get("B")
+        if a is not None and b is not None and self.rank_part is not None:
+            a, b = self.rank_part(module, a, b)
         slot_a, slot_b = self._tensors[module]
-        if a is None or b is None or a.shape[1:] != slot_a.shape[2:] or b.shape[0] != slot_b.shape[1]:
+        if a is None or b is None or a.shape[1:] != slot_a.shape[2:] or b.shape[0] != slot_b.shape[2]:
             raise InputError(f"adapter {name!r}: {module}'s lora_A / lora_B do not fit the model's projection.")
         rank = a.shape[0]
         if rank > self.rank or b.shape[1] != rank:

@@ -32,6 +32,7 @@ from ..errors import InputError
 from ..graphs import GraphCall, GraphKind, GraphSpec, graph_args, graph_specs, prefill_kind, select_graph
 from ..models.base import StaticDecoder, graph_module
 from ..models.layers.masks import actual_tokens_mask
+from ..models.layers.parallel import lora_rank_part
 from ..models.registry import language_config
 from .adapters import AdapterSlots
 from .admission import Admission
@@ -94,7 +95,10 @@ class Engine:
             name: backend.load(artifact.graph_path(name), self.weights, partial(self._module, spec))
             for name, spec in self.specs.items()
         }
-        self.adapters = AdapterSlots(self.config, self.weights)
+        rank_part = (
+            lora_rank_part(self.hf_config, self.config.tp_degree, self.rank) if self.config.tp_degree > 1 else None
+        )
+        self.adapters = AdapterSlots(self.config, self.weights, rank_part)
         """Multi-LoRA: the PEFT adapters loaded in the artifact's adapter slots (`load_adapter`)."""
         self.admission = Admission.of(self.model_config, self.config)
         """What the artifact accepts as a new sequence (prompt, images, sampling): `admit`'s refusals."""

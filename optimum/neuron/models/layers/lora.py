@@ -4,8 +4,8 @@ row, one gathered low-rank product per projection.
 `add_lora` turns each targeted projection (``--lora_target_modules``) into its LoRA twin: the same module (name,
 weight, packed or quantized kernel), its class a subclass that adds ``scaling * B[i] (A[i] x)`` to the base
 output for the adapter slot ``i`` of each row, with two buffers beside its weight: ``lora_a`` ``[N + 1, R, in]`` and
-``lora_b`` ``[N + 1, out, R]`` (``--max_loras N``, ``--max_lora_rank R``; an adapter of rank r < R fills the first r
-rows of A and columns of B, the rest stay zero). Each slot's B holds the adapter's B already multiplied by its
+``lora_b`` ``[N + 1, R, out]`` (B transposed: ``--max_loras N``, ``--max_lora_rank R``; an adapter of rank r < R
+fills the first r rows of both, the rest stay zero). Each slot's B holds the adapter's B already multiplied by its
 ``scaling`` (``lora_alpha / r`` for this projection): no scaling tensor, whose handful of values AOTInductor would fold
 into the compiled code as constants (measured: a ``[N + 1]`` buffer was, and adapters had no effect).
 
@@ -20,7 +20,10 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from .parallel import RowParallelLinear
 
 LORA_BUFFERS = ("lora_a", "lora_b")
 
@@ -42,17 +45,36 @@ class LoraProjection:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)  # type: ignore[misc]
+        return self.with_delta(x, out)
+
+    def with_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus the rows' adapter deltas of input ``x`` (``out`` alone outside a call)."""
         ids = self.rows.ids
-        if ids is None:
-            return out
-        return out + lora_delta(x, self.lora_a, self.lora_b, ids)
+        return out if ids is None else out + lora_delta(x, self.lora_a, self.lora_b, ids)
+
+
+class LoraRowParallel(LoraProjection):
+    """Mixin of a row-parallel projection's LoRA twin (tensor parallelism: o and down projections): the delta joins the
+    rank's partial product before the all-reduce. The rank holds its columns of A and all of B, so the partial deltas
+    ``(x_r A_r^T) B^T`` sum to the whole one, as the partial products do."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super(LoraProjection, self).forward(x)  # type: ignore[misc]
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        return self.with_delta(x, super().local(x))  # type: ignore[misc]
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``(x A[i]^T) B[i]^T`` (B scaled) for each row's slot ``i = ids[row]``: ``x [rows, T, in]`` -> ``[rows, T,
-    out]``, two batched products of rank R."""
-    low = torch.bmm(x, a.index_select(0, ids).transpose(1, 2))
-    return torch.bmm(low, b.index_select(0, ids).transpose(1, 2))
+    """``(x A[i]^T) B[i]`` (B scaled) for each row's slot ``i = ids[row]``: ``x [rows, T, in]`` -> ``[rows, T, out]``.
+    Two products over the stacked adapter slots 1..N, ``x @ [A_1; ...; A_N]^T`` (``[rows, T, N * R]``), each row's
+    columns of other slots zeroed, then ``@ [B_1; ...; B_N]``: every adapter tensor is read once per call, whatever
+    the rows, and nothing is gathered or copied per row (slot 0, the base model, is not read at all)."""
+    slots, rank = a.shape[0], a.shape[1]
+    low = F.linear(x, a[1:].reshape((slots - 1) * rank, a.shape[2]))
+    own = ids[:, None] == torch.arange(1, slots, device=ids.device)[None, :]
+    low = low * own.repeat_interleave(rank, dim=1).to(low.dtype)[:, None, :]
+    return torch.matmul(low, b[1:].reshape((slots - 1) * rank, b.shape[2]))
 
 
 _TWINS: dict[type, type] = {}
@@ -61,7 +83,8 @@ _TWINS: dict[type, type] = {}
 def lora_twin(kind: type) -> type:
     """The LoRA twin class of a projection class (nn.Linear, its packed or quantized twins), made once."""
     if kind not in _TWINS:
-        _TWINS[kind] = type(f"Lora{kind.__name__}", (LoraProjection, kind), {})
+        mixin = LoraRowParallel if issubclass(kind, RowParallelLinear) else LoraProjection
+        _TWINS[kind] = type(f"Lora{kind.__name__}", (mixin, kind), {})
     return _TWINS[kind]
 
 
@@ -89,7 +112,7 @@ def add_lora(decoder: nn.Module, config: Any) -> None:
         module.__class__ = lora_twin(type(module))
         cast(Any, module).rows = rows
         module.register_buffer("lora_a", torch.zeros(slots, rank, module.in_features, dtype=dtype, device=device))
-        module.register_buffer("lora_b", torch.zeros(slots, module.out_features, rank, dtype=dtype, device=device))
+        module.register_buffer("lora_b", torch.zeros(slots, rank, module.out_features, dtype=dtype, device=device))
 
 
 def lora_weights(decoder: nn.Module) -> dict[str, torch.Tensor]:

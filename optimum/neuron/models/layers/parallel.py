@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,3 +260,21 @@ def shard_weights(weights: dict[str, torch.Tensor], hf_config: Any, degree: int,
         part = _shard(name, tensor, layout, rank)
         shards[name] = tensor if part is None else part.contiguous()
     return shards
+
+
+def lora_rank_part(
+    hf_config: Any, degree: int, rank: int
+) -> Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s part of a LoRA adapter's ``(A [r, in], B [out, r])`` on projection ``module``: a row-parallel
+    projection's (o, down) columns of A and all of B, any other projection's rows of B (heads padded as its weight's)
+    and all of A: sliced as the projection's own weight is (`layers.lora.LoraRowParallel`)."""
+    layout = head_layout(hf_config, degree)
+
+    def part(module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if module.endswith(ROW_PARALLEL):
+            sliced = _shard(f"{module}.weight", a, layout, rank)
+            return (a if sliced is None else sliced.contiguous()), b
+        sliced = _shard(f"{module}.weight", b, layout, rank)
+        return a, (b if sliced is None else sliced.contiguous())
+
+    return part
