@@ -19,7 +19,7 @@ from optimum.neuron.runtime.engine import Engine
 from optimum.neuron.runtime.sampling import SamplingParams
 from tests.contract.engine_tools import GREEDY, neuron_model, prompt
 from tests.fixtures.llm.lora import peft_adapter
-from tests.fixtures.llm.models import export_fixture, tiny_model
+from tests.fixtures.llm.models import FAMILIES, export_fixture, tiny_model
 from tests.fixtures.llm.reference import hf_greedy, hf_sampled
 
 NEW = 10
@@ -44,6 +44,35 @@ def test_each_adapter_and_the_base_model_equal_peft(backend: str) -> None:
     for name, adapter in (("a", a), ("b", b), (None, None)):
         out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, eos_token_id=[], adapter_name=name)
         assert out[0, len(ids) :].tolist() == hf_greedy(base, ids, NEW, adapter=adapter), f"adapter {name}"
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
+def test_every_family_serves_two_adapters_and_the_base_model_in_one_step(family: str) -> None:
+    """Two rows, on adapters a and b (Phi-3: its fused projections adapted), decode together; then the base model."""
+    engine = Engine(Artifact.open(export_fixture(f"{family}-2x4x8-lora2-eager")))
+    paths = {key: peft_adapter(key, family) for key in ("a", "b")}
+    for key, path in paths.items():
+        engine.load_adapter(key, path)
+    model = tiny_model(family)
+    asked = {"a": prompt(11, seed=86), "b": prompt(6, seed=87)}
+    for key, ids in asked.items():
+        engine.admit(key, ids, GREEDY, adapter=key, reuse=False)
+    generate_together(engine, {key: len(ids) for key, ids in asked.items()})
+    for key, ids in asked.items():
+        want = hf_greedy(model, ids, NEW, adapter=paths[key])
+        assert engine.sequence(key).generated[:NEW] == want, f"{family} on {key}"
+        engine.release(key)
+    ids = prompt(9, seed=88)
+    engine.admit("base", ids, GREEDY, reuse=False)
+    generate_together(engine, {"base": len(ids)})
+    assert engine.sequence("base").generated[:NEW] == hf_greedy(model, ids, NEW), f"{family}: the base model"
+
+
+def generate_together(engine: Engine, work: dict[str, int]) -> None:
+    """Step the sequences of ``work`` (their prompt lengths) together until each has `NEW` tokens."""
+    while any(len(engine.sequence(s).generated) < NEW for s in work):
+        engine.step(work)
+        work = {s: 1 for s in work}
 
 
 def test_requests_on_different_adapters_share_steps() -> None:
