@@ -191,3 +191,19 @@ def test_two_tensor_parallel_ranks_equal_peft(tmp_path: Path) -> None:
     for key, tokens in zip(keys, ranks[0], strict=True):
         adapter = peft_adapter(key) if key else None
         assert tokens == hf_greedy(tiny_model("llama"), ids, NEW, adapter=adapter), f"adapter {key}"
+
+
+def test_loading_and_unloading_an_adapter_while_a_request_runs_leaves_it_alone() -> None:
+    engine = lora_engine("eager")
+    a = peft_adapter("a")
+    engine.load_adapter("a", a)
+    ids = prompt(10, seed=89)
+    engine.admit("x", ids, GREEDY, adapter="a", reuse=False)
+    engine.step({"x": len(ids)})
+    for step in range(NEW - 1):
+        if step == 2:
+            engine.load_adapter("b", peft_adapter("b"))  # the other slot, mid-generation
+        if step == 5:
+            engine.unload_adapter("b")
+        engine.step({"x": 1})
+    assert engine.sequence("x").generated == hf_greedy(tiny_model("llama"), ids, NEW, adapter=a)
