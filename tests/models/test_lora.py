@@ -207,3 +207,23 @@ def test_loading_and_unloading_an_adapter_while_a_request_runs_leaves_it_alone()
             engine.unload_adapter("b")
         engine.step({"x": 1})
     assert engine.sequence("x").generated == hf_greedy(tiny_model("llama"), ids, NEW, adapter=a)
+
+
+def test_adapters_over_int8_weights_equal_peft_on_the_dequantized_model() -> None:
+    """The slots add to a quantized projection's output (`--weight_format int8`, the packed int8 kernel): the
+    reference is peft on transformers running the same dequantized weights."""
+    from optimum.neuron.artifact import read_config
+    from tests.fixtures.llm.reference import dequantized_checkpoint
+
+    artifact = export_fixture("llama-2x4x8-int8-lora2-eager")
+    engine = Engine(Artifact.open(artifact))
+    a = peft_adapter("a")
+    engine.load_adapter("a", a)
+    config = read_config(artifact)
+    reference = dequantized_checkpoint(tiny_model("llama"), config.weight_format, config.weight_group_size)
+    for name, adapter, seed in (("a", a, 95), (None, None, 96)):
+        ids = prompt(11, seed=seed)
+        engine.admit("x", ids, GREEDY, adapter=name, reuse=False)
+        generate_together(engine, {"x": len(ids)})
+        assert engine.sequence("x").generated[:NEW] == hf_greedy(reference, ids, NEW, adapter=adapter), name
+        engine.release("x")
