@@ -22,7 +22,7 @@ from .layers.attention import (
     attention_dims,
 )
 from .layers.embedding import ScaledEmbedding
-from .layers.lora import AdapterRows
+from .layers.lora import AdapterRows, selected_adapters
 from .layers.mlp import FusedGatedMLP, GatedMLP
 from .layers.packed import head_logits
 from .layers.rope import Rotary, RotaryPerType
@@ -150,33 +150,18 @@ class StaticDecoder(nn.Module):
         in when given; token generation returns logits ``[B, V]`` (sampling is applied by `TokenGenerationGraph`);
         verification, each row's tokens attending like a chunk of its own sequence, returns every column's logits ``[B,
         K + 1, V]``."""
-        if self.adapter_rows is None:
-            return self._run(spec, input_ids, position_ids, slot_mapping, kv_cache, block_table, image_rows)
-        self.adapter_rows.ids = adapter_ids
-        try:
-            return self._run(spec, input_ids, position_ids, slot_mapping, kv_cache, block_table, image_rows)
-        finally:
-            self.adapter_rows.ids = None
-
-    def _run(
-        self,
-        spec: GraphSpec,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        kv_cache: list[torch.Tensor],
-        block_table: torch.Tensor | None,
-        image_rows: ImageRows | None,
-    ) -> torch.Tensor:
         block = spec.block_size
         if spec.kind is GraphKind.TOKEN_GENERATION:
             assert block_table is not None, "token generation reads the cache"
             ctx: AttentionContext = DecodeContext.build(
                 position_ids, slot_mapping, block_table, block, self.windows, self.paged_attention
             )
-            return self._logits(self._hidden(input_ids, position_ids, kv_cache, ctx)[:, -1])
+            with selected_adapters(self.adapter_rows, adapter_ids):
+                h = self._hidden(input_ids, position_ids, kv_cache, ctx)
+            return self._logits(h[:, -1])
         ctx = ChunkContext.build(position_ids, slot_mapping, block_table, block, self.windows)
-        h = self._hidden(input_ids, position_ids, kv_cache, ctx, image_rows)
+        with selected_adapters(self.adapter_rows, adapter_ids):
+            h = self._hidden(input_ids, position_ids, kv_cache, ctx, image_rows)
         if spec.kind is GraphKind.VERIFICATION:  # every column of every row; the runtime keeps the real ones
             return self._logits(h)
         if spec.all_rows:  # prompt logprobs: every column; the runtime keeps the real ones (actual-tokens mask)

@@ -17,6 +17,8 @@ place (`runtime.adapters`), and every graph sees them. Which slot each row uses 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
@@ -33,6 +35,20 @@ class AdapterRows:
 
     def __init__(self) -> None:
         self.ids: torch.Tensor | None = None
+
+
+@contextmanager
+def selected_adapters(rows: AdapterRows | None, ids: torch.Tensor | None) -> Iterator[None]:
+    """The rows of one call on their adapter slots ``ids`` while the block runs (nothing for a decoder without
+    adapter slots, ``rows`` None)."""
+    if rows is None:
+        yield
+        return
+    rows.ids = ids
+    try:
+        yield
+    finally:
+        rows.ids = None
 
 
 class LoraProjection:
