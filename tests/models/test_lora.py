@@ -121,8 +121,15 @@ def test_the_prefix_cache_keeps_adapters_apart() -> None:
         assert computed == (16 if seq_id == "again" else 0), f"{seq_id}: {computed} tokens taken from the cache"
 
 
-def test_refusals_name_the_limit_and_unloading_frees_the_slot() -> None:
+def test_refusals_name_the_limit_and_unloading_frees_the_slot(tmp_path: Path) -> None:
+    from peft import IA3Config, get_peft_model
+    from transformers import AutoModelForCausalLM
+
     engine = lora_engine("eager")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32)
+    get_peft_model(base, IA3Config(target_modules=["k_proj", "down_proj"])).save_pretrained(tmp_path / "ia3")
+    with pytest.raises(InputError, match="only LoRA adapters"):
+        engine.load_adapter("ia3", tmp_path / "ia3")
     engine.load_adapter("a", peft_adapter("a"))
     engine.load_adapter("b", peft_adapter("b"))
     with pytest.raises(InputError, match="--max_loras"):

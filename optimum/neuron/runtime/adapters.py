@@ -137,7 +137,7 @@ class AdapterSlots:
 
 def _check_config(name: str, config: Any) -> None:
     """`InputError` for a PEFT adapter the slots cannot reproduce exactly."""
-    if str(getattr(config, "peft_type", "")) not in ("LORA", "PeftType.LORA"):
+    if getattr(config, "peft_type", None) != "LORA":  # peft's PeftType is a str enum
         raise InputError(f"adapter {name!r} is a {config.peft_type} adapter; only LoRA adapters are served.")
     unsupported = {
         "use_dora": bool(getattr(config, "use_dora", False)),
