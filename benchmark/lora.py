@@ -21,19 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmark.fresh import answer, run_worker
 from benchmark.machine import describe
 from benchmark.quantized import TOPICS
 
 RESULTS = Path(__file__).parent / "results"
 SEQUENCE_LENGTH, CHUNK, BATCH, LORAS, RANK = 1024, 256, 8, 4, 16
 PROMPTS, NEW = 16, 64
-RESULT = "LORA_RESULT "
 CELLS = ("plain", "lora-base", "lora-4")
 
 
@@ -113,16 +111,6 @@ def load_time(artifact: str, adapter_path: str) -> dict[str, Any]:
     return {"load_s": statistics.median(times)}
 
 
-def run_fresh(spec: dict[str, Any]) -> dict[str, Any]:
-    """One worker call in a fresh interpreter."""
-    cmd = [sys.executable, "-m", "benchmark.lora", "--worker", json.dumps(spec)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    answers = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
-    if done.returncode or not answers:
-        raise RuntimeError(f"{spec} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    return dict(json.loads(answers[-1].removeprefix(RESULT)))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -132,7 +120,7 @@ def main() -> None:
     if args.worker:
         spec = json.loads(args.worker)
         worker = load_time if spec.pop("load", False) else measure
-        print(RESULT + json.dumps(worker(**spec)), flush=True)
+        answer(worker(**spec))
         return
     from optimum.neuron.progress import StepProgress
     from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
@@ -150,9 +138,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for cell in CELLS:
                 with bar.step(cell):
-                    samples[cell].append(run_fresh(specs[cell])["tok_s"])
+                    samples[cell].append(run_worker("benchmark.lora", specs[cell])["tok_s"])
         with bar.step("adapter load time"):
-            loaded = run_fresh({"load": True, "artifact": slots, "adapter_path": paths[0]})["load_s"]
+            loaded = run_worker("benchmark.lora", {"load": True, "artifact": slots, "adapter_path": paths[0]})["load_s"]
     body = {
         "machine": describe(),
         "rounds": args.rounds,
@@ -168,14 +156,12 @@ def main() -> None:
 
 def render(body: dict[str, Any]) -> str:
     """The markdown report."""
-    tok, labels = (
-        body["tok_s"],
-        {
-            "plain": "artifact without adapter slots",
-            "lora-base": f"`--max_loras {LORAS} --max_lora_rank {RANK}`, every request on the base model",
-            "lora-4": f"the same artifact, requests spread over {LORAS} random rank-{RANK} adapters",
-        },
-    )
+    tok = body["tok_s"]
+    labels = {
+        "plain": "artifact without adapter slots",
+        "lora-base": f"`--max_loras {LORAS} --max_lora_rank {RANK}`, every request on the base model",
+        "lora-4": f"the same artifact, requests spread over {LORAS} random rank-{RANK} adapters",
+    }
     lines = [
         "# Multi-LoRA: SmolLM2-135M-Instruct fp32, inductor, CPU, through `vllm.LLM`",
         "",

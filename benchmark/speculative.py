@@ -28,12 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmark.fresh import answer, run_worker
 from benchmark.machine import describe
 from benchmark.quantized import TOPICS
 
@@ -41,43 +40,30 @@ RESULTS = Path(__file__).parent / "results"
 SEQUENCE_LENGTH, CHUNK, SPECULATION = 1024, 256, 6
 LOOKUPS = (0, 2, 4, 6)
 PASSAGE_WORDS = 90
-RESULT = "SPECULATIVE_RESULT "
-"""A worker prints its answer on one line after this marker."""
 
 
 def export_for(model_dir: Path, batch: int) -> Path:
-    """The benchmarked artifact of batch ``batch`` (cached export)."""
-    from optimum.exporters.neuron.export import cached_export
-    from optimum.neuron.config import NeuronConfig
-
-    config = NeuronConfig(
-        batch_size=batch,
-        sequence_length=SEQUENCE_LENGTH,
-        prefill_chunk_size=CHUNK,
-        speculation_length=SPECULATION,
-        decode_logits=False,
-    )
-    return cached_export(model_dir, config)
+    """The benchmarked artifact of batch ``batch``, with its verification graph (cached export)."""
+    return cached_artifact(model_dir, batch, speculation_length=SPECULATION)
 
 
 def draft_for(model_dir: Path, draft: str) -> Path:
     """The draft artifact ``draft`` names (batch 1, S and C of the target, no verification graph; cached export)."""
+    if draft in ("int8", "int4"):
+        return cached_artifact(model_dir, 1, weight_format=draft)
+    return cached_artifact(first_layers(model_dir, int(draft.removeprefix("layers:"))), 1)
+
+
+def cached_artifact(model_dir: Path, batch: int, **fields: Any) -> Path:
+    """The minimal artifact (``--no_decode_logits``) of ``model_dir`` at batch ``batch``, S and C, with ``fields``
+    (cached export)."""
     from optimum.exporters.neuron.export import cached_export
     from optimum.neuron.config import NeuronConfig
 
-    weights, source = "float", model_dir
-    if draft in ("int8", "int4"):
-        weights = draft
-    else:
-        source = first_layers(model_dir, int(draft.removeprefix("layers:")))
     config = NeuronConfig(
-        batch_size=1,
-        sequence_length=SEQUENCE_LENGTH,
-        prefill_chunk_size=CHUNK,
-        weight_format=weights,
-        decode_logits=False,
+        batch_size=batch, sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=CHUNK, decode_logits=False, **fields
     )
-    return cached_export(source, config)
+    return cached_export(model_dir, config)
 
 
 def first_layers(model_dir: Path, layers: int) -> Path:
@@ -201,18 +187,6 @@ def measure_vllm(
     }
 
 
-def run_fresh(spec: dict[str, Any]) -> dict[str, Any]:
-    """One `measure` in a fresh interpreter."""
-    cmd = [sys.executable, "-m", "benchmark.speculative", "--worker", json.dumps(spec)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{spec} failed:\n{done.stderr[-3000:]}")
-    answers = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]  # vLLM logs to stdout too
-    if not answers:
-        raise RuntimeError(f"{spec} printed no result:\n{done.stdout[-3000:]}")
-    return dict(json.loads(answers[-1].removeprefix(RESULT)))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -226,7 +200,7 @@ def main() -> None:
     if args.worker:
         spec = json.loads(args.worker)
         worker = measure_vllm if spec.pop("vllm", False) else measure
-        print(RESULT + json.dumps(worker(**spec)), flush=True)
+        answer(worker(**spec))
         return
     from optimum.neuron.progress import StepProgress
     from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
@@ -243,8 +217,9 @@ def main() -> None:
                 count = 2 if args.quick else (4 if batch == 1 else 8)
                 with bar.step(f"{workload}, batch {batch}, k {lookup}"):
                     spec = {"artifact": artifacts[batch], "workload": workload, "count": count, "new": new}
-                    found = run_fresh(
-                        {**spec, "lookup": lookup, "vllm": args.vllm, **({"draft": draft} if draft else {})}
+                    found = run_worker(
+                        "benchmark.speculative",
+                        {**spec, "lookup": lookup, "vllm": args.vllm, **({"draft": draft} if draft else {})},
                     )
                     samples.setdefault(f"{workload} b{batch} k{lookup}", []).append(found)
     body = {"machine": describe(), "rounds": args.rounds, "new": new, "lookups": list(lookups), "cells": {}}
