@@ -654,7 +654,7 @@ LORA_PROJECTIONS = (
 
 def _check_lora(config: NeuronConfig) -> None:
     """`max_loras` and `max_lora_rank` are both 0 or both positive, the targets are known projections, and what
-    multi-LoRA does not cover yet is refused."""
+    multi-LoRA does not cover is refused."""
     n, r = config.max_loras, config.max_lora_rank
     for name, value in (("max_loras", n), ("max_lora_rank", r)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -669,9 +669,4 @@ def _check_lora(config: NeuronConfig) -> None:
         raise IncompatibleConfigError(
             f"lora_target_modules={config.lora_target_modules!r} names {unknown or 'nothing'}: pass "
             f"{flag('lora_target_modules')} all, or some of {', '.join(LORA_PROJECTIONS)}."
-        )
-    if n and config.backend not in ("eager", "inductor"):
-        raise IncompatibleConfigError(
-            f"multi-LoRA (max_loras={n}) runs on the eager and inductor backends for now, not "
-            f"backend={config.backend!r}: drop {flag('max_loras')} or export with --backend inductor."
         )

@@ -59,7 +59,6 @@ INVALID = [
     ({"max_lora_rank": 8}, "--max_loras 4"),
     ({"max_loras": -1, "max_lora_rank": 8}, "--max_loras N"),
     ({"max_loras": 2, "max_lora_rank": 8, "lora_target_modules": "q_proj,lm_head"}, "--lora_target_modules all"),
-    ({"max_loras": 2, "max_lora_rank": 8, "backend": "xla"}, "--backend inductor"),
 ]
 
 

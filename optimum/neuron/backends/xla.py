@@ -118,10 +118,11 @@ class XlaGraph:
 
 def split_args(args: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """A graph call's per-call inputs (in order) and its KV cache list (see `graphs.graph_args`): empty for the
-    vision encoder, the one graph that never touches the cache."""
+    vision encoder, the one graph that never touches the cache. The None placeholders of optional arguments (before
+    a multi-LoRA graph's adapter slots) are no inputs: they feed no HLO parameter."""
     caches = [a for a in args if isinstance(a, list)]
     assert len(caches) <= 1, "a graph call passes at most one KV cache list"
-    return [a for a in args if not isinstance(a, list)], (caches[0] if caches else [])
+    return [a for a in args if a is not None and not isinstance(a, list)], (caches[0] if caches else [])
 
 
 def _sources(module: nn.Module, inputs: list[torch.Tensor], cache: list[torch.Tensor]) -> Sources:

@@ -22,6 +22,9 @@ from ..config import NeuronConfig, flag
 from ..errors import InputError
 from ..models.layers.lora import LORA_BUFFERS
 
+AdapterParts = dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+"""An adapter as read (`AdapterSlots.read`): per projection, its ``(A [r, in], B [out, r], scaling)`` (this rank's
+part)."""
 RankPart = Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """A tensor-parallel rank's part of a projection's adapter ``(A, B)``."""
 PEFT_PREFIX = "base_model.model."
@@ -59,9 +62,9 @@ class AdapterSlots:
             raise InputError(f"no adapter {name!r} is loaded (loaded: {known}): load_adapter() it first.")
         return self.loaded[name]
 
-    def load(self, name: str, path: str | Path) -> int:
-        """Read the PEFT adapter at ``path`` and copy it into a free slot under ``name``; its slot. `InputError` when it
-        does not fit (nothing is written then)."""
+    def load(self, name: str, source: str | Path | AdapterParts) -> int:
+        """Copy the PEFT adapter at ``source`` (a folder, or what `read` made of one) into a free slot under ``name``;
+        its slot. `InputError` when it does not fit (nothing is written then)."""
         if name in self.loaded:
             raise InputError(f"an adapter named {name!r} is already loaded: unload_adapter() it first, or pick a name.")
         free = sorted(set(range(1, self.capacity + 1)) - {s for s, _ in self.loaded.values()})
@@ -70,31 +73,30 @@ class AdapterSlots:
                 f"all {self.capacity} adapter slots are taken ({', '.join(sorted(self.loaded))}): unload one, or "
                 f"re-export with a larger {flag('max_loras')}."
             )
-        parts = self._read(name, Path(path))
+        parts = source if isinstance(source, dict) else self.read(name, Path(source))
         slot = free[0]
-        with torch.no_grad():
-            for module, (a, b) in self._tensors.items():
-                a[slot].zero_()
-                b[slot].zero_()
-                if module in parts:
-                    lora_a, lora_b, scale = parts[module]
-                    a[slot, : lora_a.shape[0]] = lora_a.to(a.dtype)
-                    b[slot, : lora_b.shape[1]] = (lora_b.double() * scale).t().to(b.dtype)
+        for module, (a, b) in self._tensors.items():
+            slot_a, slot_b = torch.zeros(a.shape[1:], dtype=a.dtype), torch.zeros(b.shape[1:], dtype=b.dtype)
+            if module in parts:
+                lora_a, lora_b, scale = parts[module]
+                slot_a[: lora_a.shape[0]] = lora_a.to(a.dtype)
+                slot_b[: lora_b.shape[1]] = (lora_b.double() * scale).t().to(b.dtype)
+            write_slot(a, slot, slot_a)
+            write_slot(b, slot, slot_b)
         self.loaded[name] = (slot, f"{name}#{next(self._loads)}")
         return slot
 
     def unload(self, name: str) -> None:
         """Free ``name``'s slot (zeroed: a row left on it would add nothing)."""
         slot, _ = self.slot(name)
-        with torch.no_grad():
-            for a, b in self._tensors.values():
-                a[slot].zero_()
-                b[slot].zero_()
+        for a, b in self._tensors.values():
+            write_slot(a, slot, torch.zeros(a.shape[1:], dtype=a.dtype))
+            write_slot(b, slot, torch.zeros(b.shape[1:], dtype=b.dtype))
         del self.loaded[name]
 
-    def _read(self, name: str, path: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    def read(self, name: str, path: Path) -> AdapterParts:
         """Each projection's ``(A [r, in], B [out, r], scaling)`` of the adapter at ``path``, checked against what the
-        slots hold."""
+        slots hold (`InputError` naming the limit otherwise); ``name`` is for the messages."""
         from peft import PeftConfig
         from peft.utils import load_peft_weights
 
@@ -133,6 +135,19 @@ class AdapterSlots:
             )
         scale = config.lora_alpha / (math.sqrt(rank) if config.use_rslora else rank)
         return a, b, scale
+
+
+def write_slot(stacked: torch.Tensor, slot: int, value: torch.Tensor) -> None:
+    """Write ``value`` (on the host) into slot ``slot`` of ``stacked`` in place: the graphs keep reading the same
+    tensor. On an XLA device the whole tensor is replaced from a host copy, a transfer; writing one slot there would
+    compile (and run) a graph of its own for every slot index."""
+    with torch.no_grad():
+        if stacked.device.type == "xla":
+            host = stacked.cpu()
+            host[slot] = value
+            stacked.copy_(host)
+        else:
+            stacked[slot] = value.to(stacked.device)
 
 
 def _check_config(name: str, config: Any) -> None:

@@ -34,7 +34,7 @@ from ..models.base import StaticDecoder, graph_module
 from ..models.layers.masks import actual_tokens_mask
 from ..models.layers.parallel import lora_rank_part
 from ..models.registry import language_config
-from .adapters import AdapterSlots
+from .adapters import AdapterParts, AdapterSlots
 from .admission import Admission
 from .blocks import BlockPool
 from .images import ImageInput, SequenceImages
@@ -205,10 +205,11 @@ class Engine:
             self.slots.release(sequence.slot)
             self.placement.free(sequence)
 
-    def load_adapter(self, name: str, path: str | Path) -> None:
-        """Load the PEFT LoRA adapter at ``path`` into a free adapter slot under ``name`` (`runtime.adapters`): the
-        sequences admitted with ``adapter=name`` then run on it, beside others on other adapters or none. `InputError`
-        when the artifact has no slots, every slot is taken, or the adapter does not fit what was compiled."""
+    def load_adapter(self, name: str, path: str | Path | AdapterParts) -> None:
+        """Load the PEFT LoRA adapter at ``path`` (or as `AdapterSlots.read` read it) into a free adapter slot under
+        ``name`` (`runtime.adapters`): the sequences admitted with ``adapter=name`` then run on it, beside others on
+        other adapters or none. `InputError` when the artifact has no slots, every slot is taken, or the adapter does
+        not fit what was compiled."""
         if not self.config.max_loras:
             raise InputError(
                 "this artifact has no adapter slots: re-export with --max_loras N --max_lora_rank R to load adapters."
