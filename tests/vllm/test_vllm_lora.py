@@ -5,6 +5,7 @@ loaded and unloaded over HTTP (``/v1/load_lora_adapter``)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,45 @@ from tests.fixtures.llm.reference import hf_greedy
 from tests.utils import settled, subprocess_test
 from tests.vllm.server import vllm_serve
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm]
 FIXTURE = "llama-2x4x8-lora2-eager"
 NEW = 8
 
 
+def test_read_adapters_stay_in_host_memory_up_to_max_cpu_loras(tmp_path: Path) -> None:
+    """``--max-cpu-loras 3`` over 2 slots: an adapter evicted from its slot comes back from host memory (its folder
+    is gone by then) and still equals peft; with 2, the least recently read one is dropped and read again."""
+    from optimum.neuron.artifact import Artifact
+    from optimum.neuron.runtime.engine import Engine
+    from optimum.neuron.vllm.compat import LoraAdapter
+    from optimum.neuron.vllm.lora import VllmAdapters
+    from tests.contract.engine_tools import GREEDY
+
+    paths = {key: peft_adapter(key) for key in ("a", "b", "c")}
+    copies = {key: shutil.copytree(path, tmp_path / key) for key, path in paths.items()}
+    known = {key: LoraAdapter(i + 1, key, str(copies[key])) for i, key in enumerate(paths)}
+    engine = Engine(Artifact.open(export_fixture(FIXTURE)))
+    adapters = VllmAdapters(engine, host_capacity=3)
+    for key in ("a", "b", "c"):  # c takes a's slot
+        adapters.slot_name(known[key])
+    assert VllmAdapters.name(1) not in engine.adapters.loaded, "a kept its slot"
+    for copy in copies.values():
+        shutil.rmtree(copy)
+    name = adapters.slot_name(known["a"])  # from host memory, into b's slot
+    ids = prompt(9, seed=94)
+    engine.admit("x", ids, GREEDY, adapter=name, reuse=False)
+    engine.step({"x": len(ids)})
+    while len(engine.sequence("x").generated) < NEW:
+        engine.step({"x": 1})
+    assert engine.sequence("x").generated == hf_greedy(tiny_model("llama"), ids, NEW, adapter=paths["a"])
+    assert list(adapters.host) == [2, 3, 1], "the host order is not the order of use"
+    bounded = VllmAdapters(Engine(Artifact.open(export_fixture(FIXTURE))), host_capacity=2)
+    for key in ("a", "b", "c"):
+        bounded.slot_name(LoraAdapter(known[key].lora_id, key, str(paths[key])))
+    assert list(bounded.host) == [2, 3], "more adapters than --max-cpu-loras kept in host memory"
+
+
+@pytest.mark.slow
 @subprocess_test
 def test_llm_serves_each_request_on_its_adapter() -> None:
     from vllm import LLM, SamplingParams

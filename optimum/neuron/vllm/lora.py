@@ -5,14 +5,18 @@ vLLM's front end knows adapters by ``LoRARequest`` (an id, a name, a PEFT folder
 The worker keeps the requests it was told of (`add`, `remove`, `pin`, `ids`), and when a request on an adapter is
 admitted, makes sure that adapter sits in a slot (`slot_name`): loaded from its folder into a free slot, or into the
 slot of the least recently used adapter no admitted request runs on (and not pinned). Loading copies into the tensors
-every graph binds, so it costs no recompilation, only the read of the adapter.
+every graph binds, so it costs no recompilation, only the read of the adapter; the ``--max-cpu-loras`` adapters used
+last are kept read in host memory, so one evicted from its slot comes back without reading its folder again.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
+from pathlib import Path
 
 from ..errors import InputError
+from ..runtime.adapters import AdapterParts
 from ..runtime.engine import Engine
 from .compat import LoraAdapter
 
@@ -20,8 +24,12 @@ from .compat import LoraAdapter
 class VllmAdapters:
     """The adapters vLLM told the worker of, and which of them sit in the engine's slots."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, host_capacity: int = 0) -> None:
+        """``host_capacity``: how many read adapters to keep in host memory (vLLM's ``--max-cpu-loras``; 0: none)."""
         self.engine = engine
+        self.host_capacity = host_capacity
+        self.host: OrderedDict[int, AdapterParts] = OrderedDict()
+        """Adapter id -> the adapter as read, the most recently used last."""
         self.known: dict[int, LoraAdapter] = {}
         self.pinned: set[int] = set()
         self._used: dict[int, int] = {}
@@ -46,6 +54,7 @@ class VllmAdapters:
             except InputError:
                 return False
         self.pinned.discard(lora_id)
+        self.host.pop(lora_id, None)
         return self.known.pop(lora_id, None) is not None
 
     def pin(self, lora_id: int) -> bool:
@@ -65,9 +74,21 @@ class VllmAdapters:
         if name not in self.engine.adapters.loaded:
             if len(self.engine.adapters.loaded) >= self.engine.config.max_loras:
                 self._evict()
-            self.engine.load_adapter(name, adapter.path)
+            self.engine.load_adapter(name, self._read(adapter))
         self._used[adapter.lora_id] = next(self._clock)
         return name
+
+    def _read(self, adapter: LoraAdapter) -> AdapterParts:
+        """``adapter`` as read from its folder, or from host memory when it was read lately (then kept there, the
+        least recently used of more than `host_capacity` dropped)."""
+        parts = self.host.pop(adapter.lora_id, None)
+        if parts is None:
+            parts = self.engine.adapters.read(self.name(adapter.lora_id), Path(adapter.path))
+        if self.host_capacity:
+            self.host[adapter.lora_id] = parts
+            while len(self.host) > self.host_capacity:
+                self.host.popitem(last=False)
+        return parts
 
     def _evict(self) -> None:
         """Unload the least recently used adapter that no admitted request runs on and is not pinned."""

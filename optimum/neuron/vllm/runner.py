@@ -64,10 +64,11 @@ class StepOutput:
 class Runner:
     """Drives an `Engine` from scheduler steps."""
 
-    def __init__(self, engine: Engine, keep_records: int = 10_000) -> None:
+    def __init__(self, engine: Engine, keep_records: int = 10_000, cpu_loras: int = 0) -> None:
+        """``cpu_loras``: the read adapters kept in host memory (vLLM's ``--max-cpu-loras``)."""
         self.engine = engine
         self.host = HostSampling(engine.config.batch_size, engine.hf_config.vocab_size)
-        self.adapters = VllmAdapters(engine) if engine.config.max_loras else None
+        self.adapters = VllmAdapters(engine, cpu_loras) if engine.config.max_loras else None
         """vLLM's LoRA adapters on the engine's adapter slots (``--enable-lora``, `vllm.lora`)."""
         self.records: deque[StepRecord] = deque(maxlen=keep_records)
         self._steps = 0

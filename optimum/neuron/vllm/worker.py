@@ -65,7 +65,8 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         """Open the artifact (``--model``), load weights, graphs and the KV cache once."""
         artifact = Artifact.open(self.model_config.model)
         engine = Engine(artifact, caller_blocks=True)
-        self.runner = Runner(engine)
+        lora = getattr(self.vllm_config, "lora_config", None)  # None without --enable-lora
+        self.runner = Runner(engine, cpu_loras=(lora.max_cpu_loras or 0) if lora is not None else 0)
         self.drafter = drafter_for(self.vllm_config, engine.rank)
         c = artifact.config
         logger.info(
