@@ -35,14 +35,14 @@ PROMPTS, NEW = 16, 64
 CELLS = ("plain", "lora-base", "lora-4")
 
 
-def export_for(model_dir: Path, slots: bool) -> Path:
+def export_for(model_dir: Path, slots: bool, sequence_length: int = SEQUENCE_LENGTH) -> Path:
     """The benchmarked artifact, with or without adapter slots (cached export)."""
     from optimum.exporters.neuron.export import cached_export
     from optimum.neuron.config import NeuronConfig
 
     config = NeuronConfig(
         batch_size=BATCH,
-        sequence_length=SEQUENCE_LENGTH,
+        sequence_length=sequence_length,
         prefill_chunk_size=CHUNK,
         max_loras=LORAS if slots else 0,
         max_lora_rank=RANK if slots else 0,

@@ -38,9 +38,15 @@ def bench_command(load: Load, port: int, tokenizer: Path, result: Path, seed: in
 
 
 def _start(
-    load: Load, port: int, tokenizer: Path, result: Path, seed: int, request_rate: float | None = None
+    load: Load,
+    port: int,
+    tokenizer: Path,
+    result: Path,
+    seed: int,
+    request_rate: float | None = None,
+    extra: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
-    cmd = bench_command(load, port, tokenizer, result, seed)
+    cmd = bench_command(load, port, tokenizer, result, seed) + list(extra)
     if request_rate is not None:  # evenly spaced arrivals, the first one 1 / rate after the run starts
         cmd += ["--request-rate", str(request_rate), "--burstiness", "inf"]
     with result.with_suffix(".log").open("wb") as log:
@@ -57,9 +63,12 @@ def _finish(proc: subprocess.Popen[bytes], result: Path, expected: int) -> dict[
     return data
 
 
-def run_load(load: Load, port: int, tokenizer: Path, result: Path, seed: int = 0) -> dict[str, Any]:
-    """Drive ``load`` against the server on ``port``; `vllm bench serve`'s result (summary + per request)."""
-    return _finish(_start(load, port, tokenizer, result, seed), result, load.prompts)
+def run_load(
+    load: Load, port: int, tokenizer: Path, result: Path, seed: int = 0, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Drive ``load`` against the server on ``port`` (``extra``: more `vllm bench serve` flags); its result (summary +
+    per request)."""
+    return _finish(_start(load, port, tokenizer, result, seed, extra=extra), result, load.prompts)
 
 
 def wait_started(proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 300) -> float:
