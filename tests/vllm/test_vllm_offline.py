@@ -74,6 +74,23 @@ def test_llm_generate_equals_generate_and_transformers(name: str) -> None:
         assert batched == got, f"{name}: batched output differs from the prompt alone"
 
 
+@subprocess_test
+def test_a_larger_token_budget_runs_several_chunks_per_step() -> None:
+    """``--max-num-batched-tokens 3C`` on a chunked artifact is kept: a prompt of 2C + 5 tokens is fed in one step
+    (three chunk calls), beside a short one, and both get generate()'s tokens."""
+    from vllm import LLM
+
+    artifact = export_fixture("llama-2x4x8-eager")
+    llm = LLM(model=str(artifact), seed=0, max_num_batched_tokens=3 * CHUNK)
+    assert llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens == 3 * CHUNK
+    short, long = prompt(3), prompt(2 * CHUNK + 5)
+    got = vllm_tokens(llm, [long, short], greedy())
+    assert got == [our_tokens(artifact, ids) for ids in (long, short)]
+    records = llm.collective_rpc("step_records")[0]
+    per_step = [prefilled_tokens([r]) for r in records]  # a record lists each chunk call
+    assert max(step[req] for step in per_step for req in step) == 2 * CHUNK + 5, "the prompt took several steps"
+
+
 SERVED_FAMILIES = ("mistral", "qwen2", "gemma3", "phi3", "qwen3_moe")
 """Families vLLM serves here beyond llama: a uniform sliding window below the chunk (mistral), a sliding
 layer beside a full one (qwen2), interleaved sliding and global layers with their own rope (gemma3), fused

@@ -57,6 +57,7 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     sched = config.scheduler_config
     assert (sched.max_num_seqs, config.model_config.max_model_len) == (2, 32)
     assert sched.enable_chunked_prefill and sched.max_num_batched_tokens == 8, "token budget = one chunk"
+    assert engine_config(chunked, max_num_batched_tokens=24).scheduler_config.max_num_batched_tokens == 24, "asked"
     assert config.parallel_config.worker_cls == "optimum.neuron.vllm.worker.NeuronxWorker"
     cache = config.cache_config  # vLLM places requests in the artifact's paged cache, prefix caching on
     assert (cache.block_size, cache.num_gpu_blocks_override, cache.enable_prefix_caching) == (4, 2 * 32 // 4 + 1, True)

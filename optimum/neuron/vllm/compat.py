@@ -355,6 +355,7 @@ class Asked:
     max_num_seqs: int | None
     async_scheduling: bool | None
     enable_prefix_caching: bool | None = None
+    max_num_batched_tokens: int | None = None
 
 
 def asked_engine_args() -> Asked | None:
@@ -372,7 +373,12 @@ def asked_engine_args() -> Asked | None:
             break
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, EngineArgs):
-            return Asked(candidate.max_num_seqs, candidate.async_scheduling, candidate.enable_prefix_caching)
+            return Asked(
+                candidate.max_num_seqs,
+                candidate.async_scheduling,
+                candidate.enable_prefix_caching,
+                candidate.max_num_batched_tokens,
+            )
         frame = frame.f_back
     return None
 

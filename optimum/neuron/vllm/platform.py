@@ -29,9 +29,14 @@ logger = compat.logger(__name__)
 _Platform, _PlatformEnum = compat.platform_base()
 
 
-def resolve_limits(vllm_config: Any, neuron: NeuronConfig, asked_seqs: int | None) -> None:
+def resolve_limits(
+    vllm_config: Any, neuron: NeuronConfig, asked_seqs: int | None, asked_budget: int | None = None
+) -> None:
     """Set ``max_num_seqs`` / ``max_model_len`` / the token budget from the artifact, refusing more: ``asked_seqs`` is
-    the ``--max-num-seqs`` the user gave (None: vLLM's default, lowered to the artifact's batch size)."""
+    the ``--max-num-seqs`` the user gave (None: vLLM's default, lowered to the artifact's batch size), ``asked_budget``
+    its ``--max-num-batched-tokens``, kept on a chunked artifact (the default there is one chunk: a decode waits for at
+    most one chunk of another request's prompt; a larger budget runs several chunks per step, more prompt tokens per
+    step at the cost of that wait)."""
     model, sched = vllm_config.model_config, vllm_config.scheduler_config
     asked_len = model.original_max_model_len
     if asked_len is not None and asked_len > neuron.sequence_length:
@@ -49,7 +54,7 @@ def resolve_limits(vllm_config: Any, neuron: NeuronConfig, asked_seqs: int | Non
         sched.max_num_seqs = neuron.batch_size
     if neuron.prefill_chunk_size:
         sched.enable_chunked_prefill = True
-        sched.max_num_batched_tokens = max(neuron.prefill_chunk_size, sched.max_num_seqs)
+        sched.max_num_batched_tokens = asked_budget or max(neuron.prefill_chunk_size, sched.max_num_seqs)
     else:
         sched.enable_chunked_prefill = False
         sched.max_num_batched_tokens = model.max_model_len + sched.max_num_seqs
@@ -277,7 +282,9 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         values when no ``EngineArgs`` built it."""
         asked, self.asked = self.asked, None
         sched = vllm_config.scheduler_config
-        return asked or compat.Asked(sched.max_num_seqs, sched.async_scheduling)
+        return asked or compat.Asked(
+            sched.max_num_seqs, sched.async_scheduling, max_num_batched_tokens=sched.max_num_batched_tokens
+        )
 
     @classmethod
     def update_block_size_for_backend(cls, vllm_config: Any) -> None:
@@ -306,7 +313,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         fit_kv_cache(vllm_config.cache_config, neuron, asked.enable_prefix_caching)
         compat.disable_graph_capture(vllm_config)
         vllm_config.model_config.dtype = neuron.torch_dtype  # what the artifact computes in (logs, metadata)
-        resolve_limits(vllm_config, neuron, asked.max_num_seqs)
+        resolve_limits(vllm_config, neuron, asked.max_num_seqs, asked.max_num_batched_tokens)
         if neuron.image_tiles:  # an image-text artifact: vLLM's multimodal processor feeds the runner images
             compat.limit_images(vllm_config, neuron.max_images)
             compat.encoder_budget(vllm_config)
