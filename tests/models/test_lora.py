@@ -48,7 +48,8 @@ def test_each_adapter_and_the_base_model_equal_peft(backend: str) -> None:
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
 def test_every_family_serves_two_adapters_and_the_base_model_in_one_step(family: str) -> None:
-    """Two rows, on adapters a and b (Phi-3: its fused projections adapted), decode together; then the base model."""
+    """Two rows, on adapters a and b (Phi-3: its fused projections adapted), decode together; then the base model
+    beside a seeded row on b, which draws what peft's distributions give."""
     engine = Engine(Artifact.open(export_fixture(f"{family}-2x4x8-lora2-eager")))
     paths = {key: peft_adapter(key, family) for key in ("a", "b")}
     for key, path in paths.items():
@@ -64,8 +65,11 @@ def test_every_family_serves_two_adapters_and_the_base_model_in_one_step(family:
         engine.release(key)
     ids = prompt(9, seed=88)
     engine.admit("base", ids, GREEDY, reuse=False)
-    generate_together(engine, {"base": len(ids)})
+    engine.admit("seeded", ids, SEEDED, adapter="b", reuse=False)
+    generate_together(engine, {"base": len(ids), "seeded": len(ids)})
     assert engine.sequence("base").generated[:NEW] == hf_greedy(model, ids, NEW), f"{family}: the base model"
+    want = hf_sampled(model, ids, NEW, SEEDED, engine.config.max_topk, adapter=paths["b"])
+    assert engine.sequence("seeded").generated[:NEW] == want, f"{family}: seeded sampling on b"
 
 
 def generate_together(engine: Engine, work: dict[str, int]) -> None:
