@@ -22,6 +22,7 @@ smaller than the slots lets a larger batch serve (SmolLM2-135M-Instruct, fp32, i
 * ``kvint8``: decode ms/step at batch 1 and 8 after a 1,000-token context (S 1024, C 256), the fp32 KV cache against
   ``--kv_cache_dtype int8``, each point in a fresh process, interleaved rounds; and each cache's bytes. ``--quick``
   runs it on eager artifacts (no compile) after a 64-token context: a smoke run, not a measurement.
+* ``kvint8-long``: the same after a 4,000-token context (S 4096).
 
 Run it on a quiet machine: the 1-minute load is recorded with each part. Results:
 ``benchmark/results/<machine>/paged.md`` and ``paged.json``.
@@ -49,9 +50,11 @@ SEQUENCE_LENGTH, CHUNK, BATCH = 2048, 256, 8
 CONTEXTS = (64, 2000)
 PREFIX, TAILS = 1024, (16, 64, 128, 256)
 """``chunks``: the prefilled prompt start, and the tails whose one prefill call is timed after it."""
-PARTS = ("blocks", "price", "prefix", "chunks", "fit", "kvint8")
+PARTS = ("blocks", "price", "prefix", "chunks", "fit", "kvint8", "kvint8-long")
 KV_CONTEXT, KV_SEQUENCE_LENGTH, KV_BATCHES = 1000, 1024, (1, 8)
 """``kvint8``: the live context, the artifacts' sequence length, the batches."""
+KV_LONG_CONTEXT, KV_LONG_SEQUENCE_LENGTH = 4000, 4096
+"""``kvint8-long``: the same at a long context, where the cache is a large part of what a step reads."""
 
 
 def _env(cache: Path | None = None) -> dict[str, str]:
@@ -280,14 +283,15 @@ def fit(model_dir: str, rounds: int, quick: bool) -> dict[str, Any]:
     return runs
 
 
-def kv_int8(model_dir: str, rounds: int, steps: int, quick: bool) -> dict[str, Any]:
+def kv_int8(model_dir: str, rounds: int, steps: int, quick: bool, long: bool = False) -> dict[str, Any]:
     """Decode ms/step of fp32-KV and int8-KV artifacts at each of `KV_BATCHES` (all rows live), interleaved rounds of
-    fresh processes; the bytes of each cache."""
+    fresh processes, after `KV_CONTEXT` tokens (``long``: `KV_LONG_CONTEXT`); the bytes of each cache."""
     from optimum.neuron.artifact import Artifact, allocate_cache
     from optimum.neuron.models.layers.kv_cache import cache_bytes as kv_cache_bytes
 
-    backend, context = ("eager", 64) if quick else ("inductor", KV_CONTEXT)
-    fields = {"sequence_length": KV_SEQUENCE_LENGTH, "prefill_chunk_size": CHUNK, "backend": backend}
+    backend, context = ("eager", 64) if quick else ("inductor", KV_LONG_CONTEXT if long else KV_CONTEXT)
+    sequence_length = KV_LONG_SEQUENCE_LENGTH if long else KV_SEQUENCE_LENGTH
+    fields = {"sequence_length": sequence_length, "prefill_chunk_size": CHUNK, "backend": backend}
     artifacts = {
         (kv, batch): export_artifact(model_dir, **fields, batch_size=batch, kv_cache_dtype=kv, decode_logits=False)
         for kv in ("auto", "int8")
@@ -305,7 +309,14 @@ def kv_int8(model_dir: str, rounds: int, steps: int, quick: bool) -> dict[str, A
         cache = allocate_cache(artifact.hf_config(), artifact.config, "cpu")
         cache_bytes[kv] = kv_cache_bytes(cache)
     load = os.getloadavg()[0]
-    return {"runs": runs, "backend": backend, "context": context, "cache_bytes": cache_bytes, "load": load}
+    return {
+        "runs": runs,
+        "backend": backend,
+        "context": context,
+        "sequence_length": sequence_length,
+        "cache_bytes": cache_bytes,
+        "load": load,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -345,8 +356,8 @@ def main(argv: list[str] | None = None) -> None:
                 results["prefix"] = prefix(model_dir, rounds, args.quick)
             elif part == "chunks":
                 results["chunks"] = chunks(model_dir, rounds, args.quick)
-            elif part == "kvint8":
-                results["kvint8"] = kv_int8(model_dir, rounds, 4 if args.quick else 16, args.quick)
+            elif part in ("kvint8", "kvint8-long"):
+                results[part] = kv_int8(model_dir, rounds, 4 if args.quick else 16, args.quick, part == "kvint8-long")
             else:
                 results["fit"] = fit(model_dir, rounds, args.quick)
             progress.advance(task)

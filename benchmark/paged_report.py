@@ -113,9 +113,10 @@ def kv_int8_lines(kv: dict[str, Any]) -> list[str]:
     """The int8 KV cache against the fp32 one: decode ms/step per batch, and the caches' bytes."""
     auto, int8 = kv["cache_bytes"]["auto"], kv["cache_bytes"]["int8"]
     lines = [
-        "## int8 KV cache: decode ms/step",
+        f"## int8 KV cache: decode ms/step after {kv['context']} tokens",
         "",
-        f"SmolLM2 fp32 weights, S 1024, C 256, {kv['backend']}, every row live after a {kv['context']}-token context; "
+        f"SmolLM2 fp32 weights, S {kv.get('sequence_length', 1024)}, C 256, {kv['backend']}, every row live after a "
+        f"{kv['context']}-token context; "
         "median of the decode steps of each fresh process (one value per round). `--kv_cache_dtype int8`: int8 K/V and "
         "a float32 scale per token and KV head, read by `optimum_neuron::paged_attention_int8`. Cache of the batch-8 "
         f"artifact: {auto / 2**20:.1f} MiB fp32, {int8 / 2**20:.1f} MiB int8 ({int8 / auto:.4f}).",
@@ -166,6 +167,7 @@ def write_report(folder: Path, results: dict[str, Any]) -> None:
         lines += serve_lines(
             "Memory fit: batch 32 in the memory of batch 8", intro, results["fit"], "batch 8, pool 8 x 4096"
         )
-    if "kvint8" in results:
-        lines += kv_int8_lines(results["kvint8"])
+    for part in ("kvint8", "kvint8-long"):
+        if part in results:
+            lines += kv_int8_lines(results[part])
     (folder / "paged.md").write_text("\n".join(lines))

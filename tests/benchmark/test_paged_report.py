@@ -17,3 +17,7 @@ def test_the_kvint8_part_reports_each_batch_and_the_cache_ratio(tmp_path: Path) 
     assert "| 1 | 20.0 / 22.0 | 16.0 / 18.0 | **0.81x** |" in text
     assert "| 8 | 60.0 / 62.0 | 45.0 / 47.0 | **0.75x** |" in text
     assert "256.0 MiB fp32, 68.0 MiB int8 (0.2656)" in text and "after a 1000-token context" in text
+    long = {**part, "context": 4000, "sequence_length": 4096}
+    write_report(tmp_path, {"machine": {"cpu": "test"}, "rounds": 2, "baseline": "x", "kvint8-long": long})
+    text = (tmp_path / "paged.md").read_text()
+    assert "## int8 KV cache: decode ms/step after 4000 tokens" in text and "S 4096, C 256" in text
