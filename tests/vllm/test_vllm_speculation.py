@@ -172,6 +172,37 @@ def metric_counters(server: Any) -> dict[str, float]:
 
 
 @subprocess_test
+def test_a_request_aborted_while_speculating_frees_its_target_and_draft_slots() -> None:
+    """With a draft artifact, a request aborted after its drafts were verified (mid-decode) gives back its KV slot and
+    its draft slot; the request beside it keeps transformers' tokens."""
+    import os
+
+    from vllm import LLM, SamplingParams
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # each `step()` is one scheduler step (no race with the core)
+    spec = {"method": "draft_model", "model": str(export_fixture(SELF_DRAFT)), "num_speculative_tokens": 3}
+    llm = LLM(model=str(export_fixture(FIXTURE)), seed=0, speculative_config=spec)
+    engine, outputs = llm.llm_engine, {}
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine.add_request("kept", {"prompt_token_ids": prompt(1)}, greedy)
+    engine.add_request("gone", {"prompt_token_ids": prompt(2)}, greedy)
+    for _ in range(8):  # until 'gone' decodes past its first token: the drafter has proposed for it
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+        if len(outputs.get("gone", [])) >= 2:
+            break
+    assert 2 <= len(outputs["gone"]) < 16, f"'gone' should be decoding on drafts when aborted: {outputs}"
+    engine.abort_request(["gone"])
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+    engine.step()  # in-process, the workers learn of the finished requests from this step's scheduler output
+    assert outputs["kept"] == hf_greedy(tiny_model("llama"), prompt(1), 16), "the request left running changed"
+    assert settled(lambda: llm.collective_rpc("slot_usage"), [{}]) == [{}], "an aborted request kept its KV slot"
+    assert llm.collective_rpc("draft_slot_usage") == [{}], "an aborted request kept its draft slot"
+
+
+@subprocess_test
 def test_the_draft_model_follows_the_accepted_tokens() -> None:
     """The drafter's proposals are the draft model's greedy tokens after what the target kept, round after round: the
     draft is the target's own model, one sequence greedy (every draft kept), one sampled (drafts partly kept, so the
