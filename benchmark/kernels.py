@@ -16,7 +16,6 @@ dequantized weight). Results: ``benchmark/results/<machine>/kernels.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmark.machine import describe, read_bandwidth
+from benchmark.machine import describe, read_bandwidth, save_results
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {"q_proj / o_proj": (576, 576), "k_proj / v_proj": (192, 576), "gate_proj / up_proj": (1536, 576),
@@ -177,12 +176,7 @@ def main() -> None:
     body = {"machine": describe(), "threads": torch.get_num_threads(), "packed_isa": isa, "floors": floors}
     body["formats"] = list(formats)
     body["results"] = table
-    out = RESULTS / args.machine / ("kernels-quick.json" if args.quick else "kernels.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(body, indent=1))
-    report = render(body)
-    out.with_suffix(".md").write_text(report)
-    print(report)
+    save_results(RESULTS / args.machine / ("kernels-quick.json" if args.quick else "kernels.json"), body, render(body))
 
 
 _COLUMNS = {

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmark.fresh import answer, run_worker
-from benchmark.machine import describe
+from benchmark.machine import describe, save_results
 from benchmark.quantized import TOPICS
 
 RESULTS = Path(__file__).parent / "results"
@@ -147,11 +147,7 @@ def main() -> None:
         "tok_s": {c: statistics.median(v) for c, v in samples.items()},
         "load_s": loaded,
     }
-    out = RESULTS / args.machine / "lora.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(body, indent=1))
-    out.with_suffix(".md").write_text(render(body))
-    print(out.with_suffix(".md").read_text())
+    save_results(RESULTS / args.machine / "lora.json", body, render(body))
 
 
 def render(body: dict[str, Any]) -> str:

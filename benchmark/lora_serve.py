@@ -21,14 +21,13 @@ median over the rounds and its ratio to plain. Results: ``benchmark/results/<mac
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from benchmark.lora import BATCH, CHUNK, LORAS, RANK, adapters, export_for
-from benchmark.machine import describe
+from benchmark.machine import describe, save_results
 from benchmark.serving.configs import FULL, Load
 from benchmark.serving.loadgen import run_load
 from benchmark.serving.server import SERVED_NAME, serving
@@ -111,11 +110,8 @@ def main() -> None:
                 "samples": samples,
                 "median": {c: {m: statistics.median(s[m] for s in v) for m in METRICS} for c, v in samples.items()},
             }
-            out = RESULTS / args.machine / "lora-serve.json"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(body, indent=1))
-            out.with_suffix(".md").write_text(render(body))
-    print(out.with_suffix(".md").read_text())
+            report = render(body)
+    save_results(RESULTS / args.machine / "lora-serve.json", body, report)
 
 
 def render(body: dict[str, Any]) -> str:

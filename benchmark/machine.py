@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,3 +70,12 @@ def check_device(device: str) -> None:
             "--device cuda needs an NVIDIA GPU with a CUDA build of torch; this machine has none "
             f"(torch {torch.__version__}). Run with --device cpu, or `make test-cuda` on a GPU machine (docs/cuda.md)."
         )
+
+
+def save_results(out: Path, body: dict[str, Any], report: str) -> None:
+    """Write a benchmark's figures to ``out`` (JSON) and its markdown ``report`` beside it (``.md``), then print the
+    report."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(body, indent=1))
+    out.with_suffix(".md").write_text(report)
+    print(report)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from benchmark.machine import describe, read_bandwidth
+from benchmark.machine import describe, read_bandwidth, save_results
 
 RESULTS = Path(__file__).parent / "results"
 FORMATS = {"fp32": ("float", 0), "int8": ("int8", 0), "int4 g64": ("int4", 0), "int4 g32": ("int4", 32)}
@@ -202,11 +202,9 @@ def main() -> None:
     for row in body["formats"].values():
         row["agreement"] = agreement(reference, row["chat_tokens"])
     body["contexts"] = list(contexts)
-    out = RESULTS / args.machine / ("quantized-quick.json" if args.quick else "quantized.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(body, indent=1))
-    out.with_suffix(".md").write_text(render(body))
-    print(out.with_suffix(".md").read_text())
+    save_results(
+        RESULTS / args.machine / ("quantized-quick.json" if args.quick else "quantized.json"), body, render(body)
+    )
 
 
 def render(body: dict[str, Any]) -> str:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmark.fresh import answer, run_worker
-from benchmark.machine import describe
+from benchmark.machine import describe, save_results
 from benchmark.quantized import TOPICS
 
 RESULTS = Path(__file__).parent / "results"
@@ -233,11 +233,7 @@ def main() -> None:
         }
     drafted = f"-draft-{args.draft.replace(':', '')}" if args.draft else ""
     name = "speculative" + ("-vllm" if args.vllm else "") + drafted + ("-quick" if args.quick else "")
-    out = RESULTS / args.machine / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(body, indent=1))
-    out.with_suffix(".md").write_text(render(body, batches))
-    print(out.with_suffix(".md").read_text())
+    save_results(RESULTS / args.machine / f"{name}.json", body, render(body, batches))
 
 
 def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
