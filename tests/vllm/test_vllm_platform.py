@@ -73,6 +73,10 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     assert not config.cache_config.enable_prefix_caching, "context encoding cannot start past a cached prefix"
     assert not config.scheduler_config.enable_chunked_prefill
     assert config.scheduler_config.max_num_batched_tokens >= 32, "a context-encoding artifact needs whole prompts"
+    assert engine_config(ce, max_num_batched_tokens=40).scheduler_config.max_num_batched_tokens == 40, "asked, whole"
+    with pytest.raises(Exception) as info:  # vLLM re-raises it as a pydantic ValidationError quoting it
+        engine_config(ce, max_num_batched_tokens=16)
+    assert "--max-num-batched-tokens 16 is below 34" in "".join(str(e) for e in _chain(info.value))
     assert engine_config(chunked, max_model_len=16).model_config.max_model_len == 16
     speculating = engine_config(spec3, speculative_config=NGRAM)  # vLLM's n-gram drafts, verified by the artifact
     assert speculating.speculative_config.num_speculative_tokens == 3

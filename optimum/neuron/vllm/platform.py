@@ -36,7 +36,8 @@ def resolve_limits(
     the ``--max-num-seqs`` the user gave (None: vLLM's default, lowered to the artifact's batch size), ``asked_budget``
     its ``--max-num-batched-tokens``, kept on a chunked artifact (the default there is one chunk: a decode waits for at
     most one chunk of another request's prompt; a larger budget runs several chunks per step, more prompt tokens per
-    step at the cost of that wait)."""
+    step at the cost of that wait), and on a context-encoding artifact when it holds a whole prompt beside every
+    running request's decode (refused below that: a prompt could never be scheduled)."""
     model, sched = vllm_config.model_config, vllm_config.scheduler_config
     asked_len = model.original_max_model_len
     if asked_len is not None and asked_len > neuron.sequence_length:
@@ -57,7 +58,15 @@ def resolve_limits(
         sched.max_num_batched_tokens = asked_budget or max(neuron.prefill_chunk_size, sched.max_num_seqs)
     else:
         sched.enable_chunked_prefill = False
-        sched.max_num_batched_tokens = model.max_model_len + sched.max_num_seqs
+        whole = model.max_model_len + sched.max_num_seqs  # a whole prompt beside every running request's decode
+        if asked_budget is not None and asked_budget < whole:
+            raise IncompatibleConfigError(
+                f"--max-num-batched-tokens {asked_budget} is below {whole}: {vllm_config.model_config.model} was "
+                "exported without --prefill_chunk_size, so each prompt is prefilled whole in one step (up to "
+                f"max_model_len={model.max_model_len} tokens, beside {sched.max_num_seqs} decodes): pass at least "
+                f"{whole}, drop the flag, or re-export with --prefill_chunk_size C."
+            )
+        sched.max_num_batched_tokens = asked_budget or whole
     sched.long_prefill_token_threshold = 0
     sched.verify_max_model_len(model.max_model_len)
 
