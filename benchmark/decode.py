@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmark.fresh import answer, run_worker
 from benchmark.machine import check_device, copy_bandwidth, describe, read_bandwidth
 
 RESULTS = Path(__file__).parent / "results"
@@ -78,18 +77,12 @@ def _worker(spec: dict[str, Any]) -> None:
         times = measure_transformers(spec["model_dir"], spec["dtype"], spec["batch"], spec["steps"], spec["device"])
     else:
         times = measure_ours(spec["artifact"], spec["batch"], spec["steps"])
-    print(
-        json.dumps(
-            {"median_ms": 1000 * statistics.median(times), "p90_ms": 1000 * sorted(times)[int(0.9 * len(times))]}
-        )
-    )
+    answer({"median_ms": 1000 * statistics.median(times), "p90_ms": 1000 * sorted(times)[int(0.9 * len(times))]})
 
 
 def run_fresh(spec: dict[str, Any]) -> dict[str, float]:
-    """Run one measurement in a fresh interpreter."""
-    cmd = [sys.executable, "-m", "benchmark.decode", "--worker", json.dumps(spec)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """Run one measurement in a fresh interpreter (`benchmark.fresh`)."""
+    return {k: float(v) for k, v in run_worker("benchmark.decode", spec).items()}
 
 
 def weight_bytes(model_dir: str, dtype: str) -> int:

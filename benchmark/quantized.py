@@ -24,13 +24,12 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmark.fresh import answer, run_worker
 from benchmark.machine import describe, read_bandwidth, save_results
 
 RESULTS = Path(__file__).parent / "results"
@@ -80,12 +79,8 @@ def measure_decode(artifact: str, batch: int, context: int, steps: int) -> dict[
 
 
 def run_fresh(spec: dict[str, Any]) -> dict[str, Any]:
-    """One measurement (`measure_decode`, `perplexity` or `chat_tokens`) in a fresh interpreter."""
-    cmd = [sys.executable, "-m", "benchmark.quantized", "--worker", json.dumps(spec)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{spec['task']} failed:\n{done.stderr[-3000:]}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    """One measurement (`measure_decode`, `perplexity` or `chat_tokens`) in a fresh interpreter (`benchmark.fresh`)."""
+    return run_worker("benchmark.quantized", spec)
 
 
 def text_ids(tokenizer: Any, count: int) -> list[int]:
@@ -140,8 +135,7 @@ def chat_tokens(artifact: str, prompts: int, new: int) -> dict[str, Any]:
 
 def _worker(spec: dict[str, Any]) -> None:
     tasks: dict[str, Any] = {"decode": measure_decode, "perplexity": perplexity, "chat": chat_tokens}
-    result = tasks[spec.pop("task")](**spec)
-    print(json.dumps(result))
+    answer(tasks[spec.pop("task")](**spec))
 
 
 def step_bytes(artifact: Path) -> int:
