@@ -27,6 +27,7 @@ def test_read_adapters_stay_in_host_memory_up_to_max_cpu_loras(tmp_path: Path) -
     is gone by then) and still equals peft; with 2, the least recently read one is dropped and read again."""
     from optimum.neuron.artifact import Artifact
     from optimum.neuron.runtime.engine import Engine
+    from optimum.neuron.runtime.generate import generate
     from optimum.neuron.vllm.compat import LoraAdapter
     from optimum.neuron.vllm.lora import VllmAdapters
     from tests.contract.engine_tools import GREEDY
@@ -43,11 +44,8 @@ def test_read_adapters_stay_in_host_memory_up_to_max_cpu_loras(tmp_path: Path) -
         shutil.rmtree(copy)
     name = adapters.slot_name(known["a"])  # from host memory, into b's slot
     ids = prompt(9, seed=94)
-    engine.admit("x", ids, GREEDY, adapter=name, reuse=False)
-    engine.step({"x": len(ids)})
-    while len(engine.sequence("x").generated) < NEW:
-        engine.step({"x": 1})
-    assert engine.sequence("x").generated == hf_greedy(tiny_model("llama"), ids, NEW, adapter=paths["a"])
+    got = generate(engine, [ids], NEW, GREEDY, set(), adapter=name).tokens[0]
+    assert got == hf_greedy(tiny_model("llama"), ids, NEW, adapter=paths["a"])
     assert list(adapters.host) == [2, 3, 1], "the host order is not the order of use"
     bounded = VllmAdapters(Engine(Artifact.open(export_fixture(FIXTURE))), host_capacity=2)
     for key in ("a", "b", "c"):

@@ -22,6 +22,7 @@ from tests.fixtures.llm.models import export_fixture, tiny_model
 from tests.fixtures.llm.reference import hf_greedy, hf_sampled
 from tests.utils import settled, subprocess_test
 from tests.vllm.server import vllm_serve
+from tests.vllm.test_vllm_offline import run_until_done
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 FIXTURE = "llama-2x4x8-spec3-eager"
@@ -193,9 +194,7 @@ def test_a_request_aborted_while_speculating_frees_its_target_and_draft_slots() 
             break
     assert 2 <= len(outputs["gone"]) < 16, f"'gone' should be decoding on drafts when aborted: {outputs}"
     engine.abort_request(["gone"])
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs[out.request_id] = list(out.outputs[0].token_ids)
+    run_until_done(engine, outputs)
     engine.step()  # in-process, the workers learn of the finished requests from this step's scheduler output
     assert outputs["kept"] == hf_greedy(tiny_model("llama"), prompt(1), 16), "the request left running changed"
     assert settled(lambda: llm.collective_rpc("slot_usage"), [{}]) == [{}], "an aborted request kept its KV slot"

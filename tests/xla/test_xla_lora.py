@@ -14,11 +14,10 @@ from tests.contract.engine_tools import GREEDY, Recorder, prompt
 from tests.fixtures.llm.lora import peft_adapter
 from tests.fixtures.llm.models import export_fixture, tiny_model
 from tests.fixtures.llm.reference import hf_greedy
+from tests.models.test_lora import NEW, generate_together
 from tests.utils import subprocess_test
 
 pytestmark = pytest.mark.xla
-
-NEW = 10
 
 
 @pytest.mark.slow
@@ -55,9 +54,7 @@ def run(engine: Engine, model: object, paths: dict, asked: dict, then: Callable[
     engine.step(work)
     if then is not None:
         then()
-    work = {seq_id: 1 for seq_id in work}
-    while any(len(engine.sequence(seq_id).generated) < NEW for seq_id in work):
-        engine.step(work)
+    generate_together(engine, dict.fromkeys(work, 1))
     for key, ids in asked.items():
         want = hf_greedy(model, ids, NEW, adapter=paths.get(key))
         assert engine.sequence(str(key)).generated[:NEW] == want, f"row on {key}"
