@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from benchmark.fresh import answer, run_worker
-from benchmark.machine import check_device, copy_bandwidth, describe, read_bandwidth
+from benchmark.machine import check_device, copy_bandwidth, describe, machine_line, read_bandwidth
 
 RESULTS = Path(__file__).parent / "results"
 SEQUENCE_LENGTH, CHUNK, CONTEXT = 1024, 256, 256
@@ -156,7 +156,7 @@ def write_report(machine: str, rows: list, bandwidth: dict[str, float], steps: i
         f"Command: `.venv/bin/python -m benchmark.decode --device {device}` ({steps} timed steps after 3 warm-up, "
         f"context {CONTEXT} tokens, S={SEQUENCE_LENGTH}, C={CHUNK}; each row in a fresh process).",
         "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()),
+        "Machine: " + machine_line(info),
         f"Copy bandwidth: {bandwidth['copy'] / 1e9:.1f} GB/s copied (read + write = "
         f"{2 * bandwidth['copy'] / 1e9:.1f} GB/s); read bandwidth (fp32 sum, all threads): "
         f"{bandwidth['read'] / 1e9:.1f} GB/s. Floors = weight bytes / that bandwidth "

@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 from rich.console import Console
 
-from benchmark.machine import describe
+from benchmark.machine import describe, machine_line
 
 RESULTS = Path(__file__).parent / "results"
 SHAPE = ("--batch_size", "8", "--sequence_length", "2048")
@@ -127,7 +127,7 @@ def write_report(machine: str, rows: dict[str, dict[str, Any]]) -> None:
         "",
         "Command: `.venv/bin/python -m benchmark.export_time`",
         "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in describe().items()),
+        "Machine: " + machine_line(describe()),
         "",
         "| artifact | graphs | cold, one process: s / peak GiB | cold, parallel: s / peak GiB | parallel / one "
         "process | re-export chunk 128: s | re-export / cold parallel | size MB |",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmark.machine import describe, read_bandwidth, save_results
+from benchmark.machine import describe, machine_line, read_bandwidth, save_results
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {"q_proj / o_proj": (576, 576), "k_proj / v_proj": (192, 576), "gate_proj / up_proj": (1536, 576),
@@ -215,7 +215,7 @@ def render(body: dict) -> str:
         "Command: `.venv/bin/python -m benchmark.kernels"
         + ("" if formats == ["fp32"] or formats == list(FORMATS) else f" --formats {','.join(formats)}")
         + "`. Machine: "
-        + ", ".join(f"{k} {v}" for k, v in body["machine"].items())
+        + machine_line(body["machine"])
         + f"; {body['threads']} threads; our kernel's path (OPTIMUM_NEURON_PACKED_ISA): {body.get('packed_isa')}.",
         f"Floors measured in the same run: read bandwidth {floors['read_gbs']:.1f} GB/s (fp32 sum over 512 MiB), "
         f"GEMM peak {floors['peak_gflops']:.0f} GFLOP/s (torch.mm 1024^3).",

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmark.decode import measure_ours, measure_transformers
-from benchmark.machine import describe
+from benchmark.machine import describe, machine_line
 
 RESULTS = Path(__file__).parent / "results"
 SEQUENCE_LENGTH, CHUNK = 2048, 256
@@ -135,7 +135,7 @@ def write_report(machine: str, exports: dict[tuple[str, int], float], rows: list
         f"256, 512, 1024, 2048; median of {steps} decode steps after 3 warm-up, every slot at the given context; "
         "each point in a fresh process, the three of a point back to back).",
         "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items()) + " (1-minute load when the run ended).",
+        "Machine: " + machine_line(info) + " (1-minute load when the run ended).",
         "",
         "| batch | context | transformers eager ms/step | `none` ms/step | `auto` ms/step | auto / none "
         "| auto / transformers |",

@@ -26,13 +26,18 @@ from pathlib import Path
 from typing import Any
 
 from benchmark.fresh import answer, run_worker
-from benchmark.machine import describe, save_results
+from benchmark.machine import describe, machine_line, save_results
 from benchmark.quantized import TOPICS
 
 RESULTS = Path(__file__).parent / "results"
 SEQUENCE_LENGTH, CHUNK, BATCH, LORAS, RANK = 1024, 256, 8, 4, 16
 PROMPTS, NEW = 16, 64
 CELLS = ("plain", "lora-base", "lora-4")
+LABELS = {
+    "plain": "artifact without adapter slots",
+    "lora-base": f"`--max_loras {LORAS} --max_lora_rank {RANK}`, every request on the base model",
+}
+"""The report labels of the cells `benchmark.lora` and `benchmark.lora_serve` share."""
 
 
 def export_for(model_dir: Path, slots: bool, sequence_length: int = SEQUENCE_LENGTH) -> Path:
@@ -153,16 +158,12 @@ def main() -> None:
 def render(body: dict[str, Any]) -> str:
     """The markdown report."""
     tok = body["tok_s"]
-    labels = {
-        "plain": "artifact without adapter slots",
-        "lora-base": f"`--max_loras {LORAS} --max_lora_rank {RANK}`, every request on the base model",
-        "lora-4": f"the same artifact, requests spread over {LORAS} random rank-{RANK} adapters",
-    }
+    labels = {**LABELS, "lora-4": f"the same artifact, requests spread over {LORAS} random rank-{RANK} adapters"}
     lines = [
         "# Multi-LoRA: SmolLM2-135M-Instruct fp32, inductor, CPU, through `vllm.LLM`",
         "",
         "Command: `.venv/bin/python -m benchmark.lora`. Machine: "
-        + ", ".join(f"{k} {v}" for k, v in body["machine"].items())
+        + machine_line(body["machine"])
         + f". Batch {BATCH}, S={SEQUENCE_LENGTH}, C={CHUNK}; {PROMPTS} chat prompts, {NEW} new tokens each (greedy, "
         f"EOS not stopping them), one `generate` call; each cell in a fresh process, the median of {body['rounds']} "
         "round(s).",

@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmark.lora import BATCH, CHUNK, LORAS, RANK, adapters, export_for
-from benchmark.machine import describe, save_results
+from benchmark.lora import BATCH, CHUNK, LABELS, LORAS, RANK, adapters, export_for
+from benchmark.machine import describe, machine_line, save_results
 from benchmark.serving.configs import FULL, Load
 from benchmark.serving.loadgen import run_load
 from benchmark.serving.server import SERVED_NAME, serving
@@ -118,16 +118,12 @@ def render(body: dict[str, Any]) -> str:
     """The markdown report."""
     median = body["median"]
     plain = median["plain"]
-    labels = {
-        "plain": "artifact without adapter slots",
-        "lora-base": f"`--max_loras {LORAS} --max_lora_rank {RANK}`, every request on the base model",
-        "lora-4": f"the same server, requests round-robin over {LORAS} random rank-{RANK} adapters",
-    }
+    labels = {**LABELS, "lora-4": f"the same server, requests round-robin over {LORAS} random rank-{RANK} adapters"}
     lines = [
         "# Multi-LoRA through `vllm serve`: SmolLM2-135M-Instruct fp32, inductor, CPU, the main serving workload",
         "",
         "Command: `.venv/bin/python -m benchmark.lora_serve`. Machine: "
-        + ", ".join(f"{k} {v}" for k, v in body["machine"].items())
+        + machine_line(body["machine"])
         + f". Batch {BATCH}, S={FULL.sequence_length}, C={CHUNK}; load {body['load']} through `vllm bench serve` "
         f"(random prompts, fixed seed, EOS ignored, greedy), after a warm-up load; the median of {body['rounds']} "
         "interleaved round(s), each server started afresh per round.",

@@ -1,4 +1,7 @@
-"""Machine description, load and memory bandwidth, recorded with every benchmark result."""
+"""Machine description, load and memory bandwidth, recorded with every benchmark result; how reports write them.
+
+torch is imported by the functions that use it: the report modules (`paged_report`, `peerbench.report`) import this
+one without loading torch."""
 
 from __future__ import annotations
 
@@ -8,8 +11,6 @@ import platform
 import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 
 def cpu_model() -> str:
@@ -26,6 +27,7 @@ def cpu_model() -> str:
 
 def describe() -> dict[str, str]:
     """What ran the benchmark: CPU, cores, memory, versions, current load."""
+    import torch
     import transformers
 
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -41,6 +43,8 @@ def describe() -> dict[str, str]:
 
 def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes copied per second (each byte read once and written once), best of ``repeats``."""
+    import torch
+
     source = torch.empty(megabytes * 2**20, dtype=torch.uint8).fill_(1)
     target = torch.empty_like(source)
     best = float("inf")
@@ -54,6 +58,8 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes read per second by a reduction over a large fp32 tensor (all threads, no writes), best of
     ``repeats``: what a decode step that streams every weight once can at best reach."""
+    import torch
+
     source = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     best = float("inf")
     for _ in range(repeats):
@@ -65,11 +71,18 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
 
 def check_device(device: str) -> None:
     """Refuse ``--device cuda`` up front on a machine without a usable CUDA GPU."""
+    import torch
+
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
             "--device cuda needs an NVIDIA GPU with a CUDA build of torch; this machine has none "
             f"(torch {torch.__version__}). Run with --device cpu, or `make test-cuda` on a GPU machine (docs/cuda.md)."
         )
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    """A report's one-line description of the machine (`describe`'s fields)."""
+    return ", ".join(f"{k} {v}" for k, v in machine.items())
 
 
 def save_results(out: Path, body: dict[str, Any], report: str) -> None:

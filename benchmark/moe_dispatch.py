@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmark.machine import describe
+from benchmark.machine import describe, machine_line
 from optimum.neuron.models.layers.moe import SparseMoeBlock, routing_weights
 
 RESULTS = Path(__file__).parent / "results"
@@ -145,7 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     command = f"python -m benchmark.moe_dispatch --threads {args.threads}" + (" --quick" if args.quick else "")
-    machine = ", ".join(f"{k} {v}" for k, v in describe().items())
+    machine = machine_line(describe())
     lines = [
         f"# MoE strategies (fp32, eager, {args.threads} thread(s))",
         "",

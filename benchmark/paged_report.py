@@ -7,6 +7,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmark.machine import machine_line
+
 
 def _runs(values: list[float]) -> str:
     return " / ".join(f"{v:.1f}" for v in values)
@@ -135,7 +137,7 @@ def write_report(folder: Path, results: dict[str, Any]) -> None:
     """``paged.md`` and ``paged.json`` under ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "paged.json").write_text(json.dumps(results, indent=1))
-    machine = ", ".join(f"{k} {v}" for k, v in results["machine"].items())
+    machine = machine_line(results["machine"])
     lines = [
         "# Paged KV cache: SmolLM2-135M-Instruct, fp32, inductor",
         "",

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmark.machine import describe
+from benchmark.machine import describe, machine_line
 from benchmark.serving.configs import Load
 from benchmark.serving.loadgen import run_load
 from benchmark.serving.server import SERVED_NAME, serving
@@ -100,7 +100,7 @@ def write_report(machine: str, load: Load, results: dict[str, dict[str, Any]], q
         f"{load.input_len} +- {int(load.range_ratio * 100)} % tokens, {load.output_len} new tokens, "
         f"{load.users} users, greedy).",
         "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in describe().items()) + " (1-minute load when the run ended).",
+        "Machine: " + machine_line(describe()) + " (1-minute load when the run ended).",
         "",
         "| setup | output tok/s | x TP=1 | ITL p50 ms | ITL p99 ms | TTFT p50 ms | e2e p50 ms |",
         "|---|---|---|---|---|---|---|",

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmark.machine import check_device, describe
+from benchmark.machine import check_device, describe, machine_line
 
 RESULTS = Path(__file__).parent / "results"
 PROMPTS = (256, 1024, 4000)
@@ -133,7 +133,7 @@ def write_report(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> N
         f"Command: `.venv/bin/python -m benchmark.prefill --dtype {args.dtype} --chunk {args.chunk} "
         f"--device {args.device}`",
         "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in describe().items()),
+        "Machine: " + machine_line(describe()),
         "",
         "| export | wall s | peak RSS GiB (export process) | peak RSS GiB (largest compile subprocess) |",
         "|---|---|---|---|",

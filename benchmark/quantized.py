@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from benchmark.fresh import answer, run_worker
-from benchmark.machine import describe, read_bandwidth, save_results
+from benchmark.machine import describe, machine_line, read_bandwidth, save_results
 
 RESULTS = Path(__file__).parent / "results"
 FORMATS = {"fp32": ("float", 0), "int8": ("int8", 0), "int4 g64": ("int4", 0), "int4 g32": ("int4", 32)}
@@ -208,7 +208,7 @@ def render(body: dict[str, Any]) -> str:
         "# Weight-only quantization: SmolLM2-135M-Instruct, fp32 vs int8 vs int4 (inductor, CPU)",
         "",
         "Command: `.venv/bin/python -m benchmark.quantized`. Machine: "
-        + ", ".join(f"{k} {v}" for k, v in body["machine"].items())
+        + machine_line(body["machine"])
         + f". Read bandwidth measured in the run: {body['read_gbs']:.1f} GB/s. S={SEQUENCE_LENGTH}, C={CHUNK}; "
         f"decode = median of {body['steps']} steps after 3 warm-up, each cell in a fresh process. int8: per output "
         "channel; int4 gG: groups of G input columns (64: the default for SmolLM2); embeddings, LM head and norms "

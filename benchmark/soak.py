@@ -33,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from benchmark.machine import describe
+from benchmark.machine import describe, machine_line
 from benchmark.serving.server import SERVED_NAME, ServerProcess, serving
 from benchmark.serving.soak_clients import KINDS, Client, Outcome, Shape, greedy_body
 
@@ -264,7 +264,7 @@ def write_report(out: Path, name: str, result: dict[str, Any]) -> Path:
         f"# Soak: {setup['clients']} clients for {setup['minutes']:g} min",
         "",
         f"- command: `{result['command']}` ({result['date']})",
-        "- machine: " + ", ".join(f"{k} {v}" for k, v in result["machine"].items()) + " (load at the start)",
+        "- machine: " + machine_line(result["machine"]) + " (load at the start)",
         f"- artifact: {artifact['model']}, {artifact['backend']}, fp32, batch {setup['batch_size']}, "
         f"S={setup['sequence_length']}, C={setup['chunk']}, decode_logits, max_topk {artifact['max_topk']}",
         f"- load: {load['seconds']} s; up to {setup['max_tokens']} new tokens per request; long prompts of "

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmark.fresh import answer, run_worker
-from benchmark.machine import describe, save_results
+from benchmark.machine import describe, machine_line, save_results
 from benchmark.quantized import TOPICS
 
 RESULTS = Path(__file__).parent / "results"
@@ -248,7 +248,7 @@ def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
         f"# {title} ({through}): SmolLM2-135M-Instruct fp32, inductor, CPU",
         "",
         f"Command: `.venv/bin/python -m benchmark.speculative{flags}`. Machine: "
-        + ", ".join(f"{k} {v}" for k, v in body["machine"].items())
+        + machine_line(body["machine"])
         + f". S={SEQUENCE_LENGTH}, C={CHUNK}, `--speculation_length {SPECULATION}`; greedy, {body['new']} new tokens "
         f"per prompt (EOS not stopping them); each cell in a fresh process, the median of {body['rounds']} "
         "interleaved round(s).",

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmark.machine import machine_line
 from benchmark.peerbench.figures import (
     COLUMNS,
     LLAMA,
@@ -112,7 +113,7 @@ def header(run: dict[str, Any]) -> list[str]:
         f"Command: `{run['command']}` ({run['rounds']} interleaved rounds of {systems}; every "
         f"measurement in a fresh process; {run['started']} to {run['finished']}).",
         "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in run["machine"].items()),
+        "Machine: " + machine_line(run["machine"]),
         "",
         "Versions: " + "; ".join(f"{k}: {v}" for k, v in run["versions"].items()),
         "",
