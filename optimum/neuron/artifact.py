@@ -38,7 +38,7 @@ from .models.layers.packed import pack_decoder, packed_weights
 from .models.layers.parallel import head_layout, rank_config, shard_weights
 from .models.layers.quantized import quantize_decoder
 from .models.registry import build_decoder, language_config
-from .quantization import SCALE, graph_form, quantized_layers
+from .quantization import SCALE, graph_form, layer_format, quantized_layers
 from .weights import bind_weights
 
 WEIGHTS_FILE = "model.safetensors"
@@ -264,7 +264,7 @@ def graph_weights(
     names = packed_weights(graph_decoder(hf_config, config))
     packed = {name: packed_kernel.pack(tensor) if name in names else tensor for name, tensor in weights.items()}
     for layer in quantized_layers(weights):
-        packed.update(_packed_quantized(layer, weights, config.weight_format))
+        packed.update(_packed_quantized(layer, weights, layer_format(config, layer)))
     return packed | adapters
 
 

@@ -35,12 +35,14 @@ AUTO_BLOCK_SIZES = (32, 16, 8, 4, 2, 1)
 LINEAR_KERNELS = ("auto", "packed", "aten")
 ATTENTION_KERNELS = ("auto", "paged", "sdpa")
 WEIGHT_FORMATS = ("float", "int8", "int4")
+LM_HEAD_FORMATS = ("float", "int8")
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_INT8_BACKENDS = ("eager", "inductor")
 """Backends an int8 KV cache compiles on (its cache list holds int8 values and float32 scales)."""
 CHOICES: dict[str, tuple[str, ...]] = {
     "auto_cast_type": tuple(DTYPES),
     "weight_format": WEIGHT_FORMATS,
+    "lm_head_format": LM_HEAD_FORMATS,
     "backend": BACKENDS,
     "device": DEVICES,
     "linear_kernel": LINEAR_KERNELS,
@@ -163,9 +165,10 @@ class NeuronConfig:
     """Weights of the decoder layers' linear projections: ``float`` (``auto_cast_type``), ``int8`` (per output channel,
     symmetric) or ``int4`` (per group of ``weight_group_size`` input columns, symmetric), quantized at export and stored
     quantized; a compressed-tensors checkpoint's own format is taken as it is (left at ``float``, or the same value;
-    docs/export.md, "Pre-quantized checkpoints"); activations, the KV cache, embeddings, the LM head, norms, MoE
-    routers and experts stay in ``auto_cast_type``. On the CPU in fp32 the packed kernel reads the quantized bytes;
-    elsewhere the graph dequantizes (docs/export.md, "Quantized weights")."""
+    docs/export.md, "Pre-quantized checkpoints"); activations, the KV cache, embeddings, norms, MoE routers and
+    experts stay in ``auto_cast_type``, the LM head too unless ``lm_head_format`` says otherwise. On the CPU in fp32
+    the packed kernel reads the quantized bytes; elsewhere the graph dequantizes (docs/export.md, "Quantized
+    weights")."""
     kv_cache_dtype: str = "auto"
     """Dtype of the paged KV cache: ``auto``, ``auto_cast_type`` (what the model computes in); ``int8``, each token's
     K and V of each KV head quantized when written (symmetric, ``scale = max|x| / 127`` over the head's values, computed
@@ -173,6 +176,12 @@ class NeuronConfig:
     when read (the CPU decode kernel dequantizes each row as it reads it). A decode step then reads ``(head_dim + 4) /
     (head_dim x dtype bytes)`` of the float cache's bytes (fp32, head_dim 64: 27 %). Eager and inductor backends;
     fp8 is not implemented (docs/export.md, "Quantized KV cache")."""
+    lm_head_format: str = "float"
+    """The LM head's weights: ``float`` (``auto_cast_type``, as transformers) or ``int8`` (per vocabulary row,
+    symmetric: ``weight_format``'s int8 scheme), quantized at export whatever ``weight_format`` is. A tied embedding
+    table is the LM head: it is then stored once, in int8, and the token lookup reads the same int8 rows times their
+    scales. The head is the largest single weight of a small model (SmolLM2: 113 of the 220 MB an int8 decode step
+    reads); llama.cpp's Q8_0 and OpenVINO's int8 quantize it too (docs/export.md, "Quantized weights")."""
     weight_group_size: int = 0
     """int4 only: input columns per scale; 0 picks the largest of 128, 64, 32 that divides every quantized layer's
     input size (the export records the size it used)."""

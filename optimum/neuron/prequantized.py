@@ -36,7 +36,7 @@ from torch import nn
 
 from .config import NeuronConfig, flag
 from .errors import IncompatibleConfigError, QuantizedCheckpointError, WeightLoadingError
-from .models.layers.quantized import quantized_modules
+from .models.layers.quantized import quantized_head, quantized_modules
 from .models.registry import image_text_family
 from .quantization import SCALE, pack_nibbles, stored_form
 from .weights import constants_of, map_state_dict
@@ -238,14 +238,16 @@ def stored_weights(
     """The weight set an artifact stores from the checkpoint tensors ``state`` of the model ``layout`` (the decoder
     in the checkpoint's layout): a float checkpoint's mapped (`weights.map_state_dict`), then quantized when
     ``config`` says so (`quantization.stored_form`); a pre-quantized checkpoint's quantized layers taken as they are
-    (`take_quantized`) beside its other tensors, mapped. ``config`` is fitted (`quantization.fit_weight_format`)."""
+    (`take_quantized`) beside its other tensors, mapped. The LM head is quantized when ``lm_head_format`` says so,
+    in either case. ``config`` is fitted (`quantization.fit_weight_format`)."""
     scheme = checkpoint_scheme(hf_config)
+    head = quantized_head(layout, config)
     if scheme is None:
         params = map_state_dict(layout, state, config.torch_dtype)
-        return stored_form(constants_of(layout, params), quantized_modules(layout), config)
+        return stored_form(constants_of(layout, params), quantized_modules(layout) + head, config)
     quantized = take_quantized(layout, state, scheme)
     params = map_state_dict(layout, state, config.torch_dtype, taken=frozenset(quantized))
-    return {**constants_of(layout, params), **quantized}
+    return {**stored_form(constants_of(layout, params), head, config), **quantized}
 
 
 def take_quantized(

@@ -10,7 +10,9 @@ The scheme (exactly, so a test can run transformers on the same dequantized weig
 ``q * scale`` in fp32 (`dequantize`): what every kernel multiplies by.
 
 What is quantized: the linear layers of the decoder's layers (attention and MLP projections, Phi-3's fused ones);
-embeddings, the LM head, norms, an MoE router and MoE experts stay in ``auto_cast_type`` (`quantizable`).
+embeddings, norms, an MoE router and MoE experts stay in ``auto_cast_type`` (`quantizable`). The LM head is quantized
+only with ``--lm_head_format int8``, always int8 per vocabulary row (`layer_format`); a tied embedding table is the LM
+head, stored once in int8 (the lookup reads ``q[id] * scale[id]``).
 
 The **stored form** (``model.safetensors``): ``<layer>.weight`` int8 ``[N, K]`` (int8) or uint8 ``[N, K / 2]``, two
 signed 4-bit values per byte, column ``2j`` in the low nibble (int4), and ``<layer>.weight_scale`` float32
@@ -37,6 +39,8 @@ LEVELS = {"int8": 127, "int4": 7}
 """The largest quantized magnitude of each format."""
 GROUP_SIZES = (128, 64, 32)
 """int4 group sizes ``weight_group_size=0`` picks from: the largest that divides every quantized layer's input."""
+HEADS = ("lm_head", "model.embed_tokens")
+"""The names an LM head's weight has: its own linear layer, or the embedding table tied to it."""
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 """Projections tensor parallelism splits along their input features (`layers.parallel.ROW_PARALLEL`)."""
 
@@ -80,6 +84,12 @@ def quantizable(name: str) -> bool:
     return name.startswith("model.layers.") and not name.endswith(".mlp.gate")
 
 
+def layer_format(config: NeuronConfig, layer: str) -> str:
+    """The format of the quantized layer ``layer``: ``lm_head_format`` for the LM head (`HEADS`), else
+    ``weight_format``."""
+    return config.lm_head_format if layer in HEADS else config.weight_format
+
+
 def group_size(config: NeuronConfig, inputs: Iterable[int]) -> int:
     """The group size of ``config``'s format for layers with these input sizes: ``K`` for int8 (one group: the
     caller uses each layer's own), else ``weight_group_size`` or, when 0, the largest of `GROUP_SIZES` that divides
@@ -106,15 +116,16 @@ def group_size(config: NeuronConfig, inputs: Iterable[int]) -> int:
 
 def stored_form(weights: dict[str, torch.Tensor], layers: Iterable[str], config: NeuronConfig) -> dict[str, Any]:
     """The weight set as the artifact stores it: each of ``layers``' float ``weight`` replaced by its quantized
-    values and scales (the module docstring's stored form); ``weights`` itself when the format is float."""
-    if config.weight_format == "float":
-        return weights
+    values and scales in its format (`layer_format`; the module docstring's stored form), a layer whose format is
+    float left as it is."""
     stored = dict(weights)
     for layer in layers:
+        fmt = layer_format(config, layer)
+        if fmt == "float":
+            continue
         weight = stored.pop(f"{layer}.weight")
-        group = config.weight_group_size if config.weight_format == "int4" else weight.shape[1]
-        q, scale = quantize(weight, config.weight_format, group)
-        stored[f"{layer}.weight"] = pack_nibbles(q) if config.weight_format == "int4" else q
+        q, scale = quantize(weight, fmt, config.weight_group_size if fmt == "int4" else weight.shape[1])
+        stored[f"{layer}.weight"] = pack_nibbles(q) if fmt == "int4" else q
         stored[f"{layer}.{SCALE}"] = scale
     return stored
 
@@ -139,7 +150,7 @@ def graph_form(weights: dict[str, torch.Tensor], config: NeuronConfig, shard: Sh
     full = dict(weights)
     split = [layer for layer in layers if config.tp_degree > 1 and layer.endswith(ROW_PARALLEL)]
     for layer in layers:
-        if config.weight_format == "int4":
+        if layer_format(config, layer) == "int4":
             full[f"{layer}.weight"] = unpack_nibbles(full[f"{layer}.weight"])
         if layer in split:
             scale, columns = full[f"{layer}.{SCALE}"], full[f"{layer}.weight"].shape[1]

@@ -1,7 +1,8 @@
 """Weight-only quantization (``--weight_format int8 | int4``, `optimum.neuron.quantization`): a quantized artifact
 computes what transformers computes with the same weights dequantized (``q * scale``): last-token logits and greedy
 tokens of mixed-length prompts, chunked and context encoding, on the packed kernel and dequantized in the graph, eager
-and inductor, a fused-projection family and a mixture of experts, and two tensor-parallel ranks; the artifact stores
+and inductor, a fused-projection family and a mixture of experts, and two tensor-parallel ranks; an int8 LM head
+(``--lm_head_format int8``), tied (a plain and a scaled table) and untied, likewise; the artifact stores
 the quantized bytes and records the format; the padded-chunk rule stays bitwise; bad flags are refused naming them."""
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ exactly ``q * scale``; only the order of the sums differs); the same model in fl
 def reference_for(engine: Engine, name: str) -> Path:
     """The transformers checkpoint of fixture ``name`` with the artifact's quantized weights dequantized."""
     config = engine.config
-    return dequantized_checkpoint(fixture_named(name).model(), config.weight_format, config.weight_group_size)
+    model = fixture_named(name).model()
+    return dequantized_checkpoint(model, config.weight_format, config.weight_group_size, config.lm_head_format)
 
 
 @pytest.mark.parametrize("name", SINGLE)
@@ -91,6 +93,28 @@ def test_artifact_stores_quantized_bytes_and_records_the_format(name: str, dtype
     assert (config.weight_group_size > 0) == (dtype == torch.uint8), "int4 records the group size it used"
 
 
+HEADS = [("llama-2x4x8-int8-headint8-eager", "model.embed_tokens"), ("phi3-2x4x8-aten-int4-headint8-eager", "lm_head")]
+"""A fixture with an int8 LM head and the weight that holds it: a tied embedding table, an untied head."""
+
+
+@pytest.mark.parametrize(("name", "head"), HEADS)
+def test_an_int8_lm_head_is_stored_once_per_vocabulary_row(name: str, head: str) -> None:
+    """``--lm_head_format int8``: the head's weight is stored int8 with one scale per vocabulary row (the scheme's
+    int8), a tied table only once; an untied model's embedding table stays float; the artifact records the format."""
+    root = export_fixture(name)
+    stored = load_file(str(root / WEIGHTS_FILE))
+    q, scale = stored[f"{head}.weight"], stored[f"{head}.weight_scale"]
+    assert (q.dtype, q.shape, scale.shape) == (torch.int8, (256, 64), (256, 1))
+    float_weight = load_file(str(fixture_named(name).model() / "model.safetensors"))
+    head_weight = float_weight.get("lm_head.weight", float_weight["model.embed_tokens.weight"])
+    want_q, want_scale = quantize(head_weight, "int8", 64)
+    assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
+    assert "lm_head.weight" not in stored or head == "lm_head", "a tied table is stored once"
+    if head == "lm_head":
+        assert stored["model.embed_tokens.weight"].dtype == torch.float32, "an untied table stays float"
+    assert Artifact.open(root).config.lm_head_format == "int8"
+
+
 def test_the_scheme_is_the_documented_one() -> None:
     """int8: ``scale = max|row| / 127``; int4: ``scale = max|group| / 7``; ``q = round(w / scale)`` (half to even);
     a zero row gives zero scale and zero values; int4 values survive the two-per-byte storage."""
@@ -114,6 +138,7 @@ def test_the_scheme_is_the_documented_one() -> None:
         ({"weight_format": "int3"}, "--weight_format"),
         ({"weight_format": "int8", "weight_group_size": 64}, "--weight_group_size"),
         ({"weight_format": "int4", "weight_group_size": 33}, "--weight_group_size"),
+        ({"lm_head_format": "int4"}, "--lm_head_format"),
     ],
 )
 def test_bad_weight_flags_are_refused_naming_the_flag(fields: dict, message: str) -> None:

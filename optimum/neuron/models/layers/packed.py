@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.packed import packed_linear, packed_shape
-from .embedding import PackedEmbedding, PackedScaledEmbedding, ScaledEmbedding
+from .embedding import PackedEmbedding, PackedScaledEmbedding, QuantizedEmbedding, ScaledEmbedding
 from .parallel import RowParallelLinear
 
 
@@ -73,9 +73,12 @@ def packed_weights(decoder: nn.Module) -> set[str]:
 
 
 def head_logits(decoder_head: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """``h @ W^T`` for an LM head given as its module: a linear layer, or an embedding table tied to it."""
+    """``h @ W^T`` for an LM head given as its module: a linear layer (quantized or not), or an embedding table tied
+    to it (packed, quantized, or in torch's layout)."""
     if isinstance(decoder_head, nn.Linear):
         return decoder_head(h)
+    if isinstance(decoder_head, QuantizedEmbedding):
+        return decoder_head.logits(h)
     if isinstance(decoder_head, PackedEmbedding):
         return packed_linear(h, decoder_head.weight, None, decoder_head.num_embeddings)
     assert isinstance(decoder_head, nn.Embedding), f"not an LM head: {type(decoder_head).__name__}"
