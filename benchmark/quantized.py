@@ -2,7 +2,8 @@
 
     .venv/bin/python -m benchmark.quantized [--quick]
 
-Per format (``--weight_format``; int4 with groups of 64, the default for SmolLM2, and of 32):
+Per format (``--weight_format``; int4 with groups of 64, the default for SmolLM2, and of 32; int8 and int4 g64 also
+with ``--lm_head_format int8``, the tied embedding / LM head table in int8):
 
 * **decode** ms/step at batch 1 (a batch-1 artifact) and 8 (a batch-8 artifact, 8 live rows), after a prompt of 64 and
   of 1,000 tokens (S=1024, C=256), each in a fresh process; and the format's **floor**: the bytes one step reads (every
@@ -33,8 +34,16 @@ from benchmark.fresh import answer, run_worker
 from benchmark.machine import describe, machine_line, read_bandwidth, save_results
 
 RESULTS = Path(__file__).parent / "results"
-FORMATS = {"fp32": ("float", 0), "int8": ("int8", 0), "int4 g64": ("int4", 0), "int4 g32": ("int4", 32)}
-"""Each measured format: its label -> ``(--weight_format, --weight_group_size)`` (0: the default, 64 for SmolLM2)."""
+FORMATS = {
+    "fp32": ("float", 0, "float"),
+    "int8": ("int8", 0, "float"),
+    "int8 + int8 head": ("int8", 0, "int8"),
+    "int4 g64": ("int4", 0, "float"),
+    "int4 g64 + int8 head": ("int4", 0, "int8"),
+    "int4 g32": ("int4", 32, "float"),
+}
+"""Each measured format: its label -> ``(--weight_format, --weight_group_size, --lm_head_format)`` (group 0: the
+default, 64 for SmolLM2)."""
 SEQUENCE_LENGTH, CHUNK = 1024, 256
 CONTEXTS = (64, 1000)
 PERPLEXITY_TOKENS, WINDOW = 4096, 1024
@@ -52,9 +61,9 @@ TOPICS = (
 """The chat prompts' subjects: "Explain <topic> in two sentences."."""
 
 
-def export_for(model_dir: Path, fmt: str, group: int, batch: int) -> Path:
-    """The benchmarked artifact of format ``fmt`` (int4 group ``group``) and batch ``batch`` (cached export); batch 1
-    also compiles the prompt-logprobs graph that perplexity needs."""
+def export_for(model_dir: Path, fmt: str, group: int, head: str, batch: int) -> Path:
+    """The benchmarked artifact of format ``fmt`` (int4 group ``group``), LM head format ``head`` and batch ``batch``
+    (cached export); batch 1 also compiles the prompt-logprobs graph that perplexity needs."""
     from optimum.exporters.neuron.export import cached_export
     from optimum.neuron.config import NeuronConfig
 
@@ -64,6 +73,7 @@ def export_for(model_dir: Path, fmt: str, group: int, batch: int) -> Path:
         prefill_chunk_size=CHUNK,
         weight_format=fmt,
         weight_group_size=group,
+        lm_head_format=head,
         decode_logits=False,
         prompt_logprobs=batch == 1,
     )
@@ -211,8 +221,8 @@ def render(body: dict[str, Any]) -> str:
         + machine_line(body["machine"])
         + f". Read bandwidth measured in the run: {body['read_gbs']:.1f} GB/s. S={SEQUENCE_LENGTH}, C={CHUNK}; "
         f"decode = median of {body['steps']} steps after 3 warm-up, each cell in a fresh process. int8: per output "
-        "channel; int4 gG: groups of G input columns (64: the default for SmolLM2); embeddings, LM head and norms "
-        "fp32.",
+        "channel; int4 gG: groups of G input columns (64: the default for SmolLM2); + int8 head: `--lm_head_format "
+        "int8`, the tied embedding / LM head table int8 per vocabulary row (else fp32); norms fp32.",
         "",
         "| format | model.safetensors MB | x fp32 | bytes a step reads MB | floor ms |"
         + "".join(f" b{b} c{c} ms | x fp32 | x floor |" for b in (1, 8) for c in body["contexts"])

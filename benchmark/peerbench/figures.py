@@ -156,14 +156,16 @@ def decode_bytes(run: dict[str, Any]) -> tuple[int, str]:
     """The bytes of weights a decode step of ours reads, the numerator of the bandwidth floor, and where they were
     counted: ``artifact``, from our batch-1 artifact's ``model.safetensors`` (`formats.decode_bytes`) when the run
     recorded it; else ``config``, from the model's config (fp32: the probe's 4 bytes per parameter, tied embeddings
-    once; int8 / int4: `formats.config_decode_bytes`)."""
-    from benchmark.peerbench.formats import config_decode_bytes
+    once; int8 / int4: `formats.config_decode_bytes` with `formats.OURS_FORMATS`' LM head)."""
+    from benchmark.peerbench.formats import OURS_FORMATS, config_decode_bytes
 
     ours = run.get("formats", {}).get(OURS, {}).get("decode_bytes")
     if ours:
         return int(ours["decode"]), "artifact"
     fmt, probe = weight_format(run), run["probes"][0]
-    return (int(probe["weight_bytes"]) if fmt == "fp32" else config_decode_bytes(probe["shape"], fmt)), "config"
+    if fmt == "fp32":
+        return int(probe["weight_bytes"]), "config"
+    return config_decode_bytes(probe["shape"], fmt, OURS_FORMATS[fmt]["lm_head_format"]), "config"
 
 
 def machine_limits(run: dict[str, Any]) -> dict[str, float]:

@@ -23,11 +23,12 @@ EMBEDDING, LM_HEAD = "embed_tokens.weight", "lm_head.weight"
 """How our artifact names the token embedding table and the LM head (any prefix)."""
 
 OURS_FORMATS = {
-    "fp32": {"weight_format": "float", "weight_group_size": 0},
-    "int8": {"weight_format": "int8", "weight_group_size": 0},
-    "int4": {"weight_format": "int4", "weight_group_size": GROUP_SIZE},
+    "fp32": {"weight_format": "float", "weight_group_size": 0, "lm_head_format": "float"},
+    "int8": {"weight_format": "int8", "weight_group_size": 0, "lm_head_format": "int8"},
+    "int4": {"weight_format": "int4", "weight_group_size": GROUP_SIZE, "lm_head_format": "int8"},
 }
-"""Our export's ``NeuronConfig`` fields for each format (``--weight_format``, ``--weight_group_size``)."""
+"""Our export's ``NeuronConfig`` fields for each format (``--weight_format``, ``--weight_group_size``,
+``--lm_head_format``): the quantized runs quantize the tied embedding / LM head table to int8, as both peers do."""
 
 DESCRIPTIONS: dict[str, dict[str, str]] = {
     "fp32": {
@@ -36,9 +37,10 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "llamacpp": "F32 GGUF (`convert_hf_to_gguf.py --outtype f32`)",
     },
     "int8": {
-        "ours": "`--weight_format int8`: the decoder layers' linear weights int8, symmetric, one fp32 scale per output "
-        "channel (`q = round(w / (max(abs(w_row)) / 127))`); token embedding (which the tied LM head reads) and norms "
-        "fp32; the packed kernel dequantizes in registers and multiplies fp32 activations in fp32",
+        "ours": "`--weight_format int8 --lm_head_format int8`: the decoder layers' linear weights and the token "
+        "embedding / tied LM head table int8, symmetric, one fp32 scale per output channel (vocabulary row for the "
+        "table; `q = round(w / (max(abs(w_row)) / 127))`); norms fp32; the packed kernel dequantizes in registers "
+        "and multiplies fp32 activations in fp32",
         "openvino": "`optimum-cli export openvino --weight-format int8` (optimum-intel's default, NNCF `INT8_ASYM`): "
         "every weight matrix, the token embedding / tied LM head included, u8 per output channel, asymmetric (a u8 "
         "zero point and an f16 scale per channel; NNCF's log: `int8_asym, per-channel` for 211 of 212 weights, 100 % "
@@ -49,10 +51,11 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "quantizes the activations to Q8_0 blocks on the fly and multiplies in int8 dot products",
     },
     "int4": {
-        "ours": f"`--weight_format int4 --weight_group_size {GROUP_SIZE}`: the decoder layers' linear weights int4, "
-        f"symmetric, one fp32 scale per group of {GROUP_SIZE} input columns (`q = round(w / (max(abs(w_group)) / 7))` "
-        "in [-7, 7], two per byte); token embedding (which the tied LM head reads) and norms fp32; the packed kernel "
-        "dequantizes in registers and multiplies fp32 activations in fp32",
+        "ours": f"`--weight_format int4 --weight_group_size {GROUP_SIZE} --lm_head_format int8`: the decoder layers' "
+        f"linear weights int4, symmetric, one fp32 scale per group of {GROUP_SIZE} input columns "
+        "(`q = round(w / (max(abs(w_group)) / 7))` in [-7, 7], two per byte); the token embedding / tied LM head "
+        "table int8, one fp32 scale per vocabulary row; norms fp32; the packed kernel dequantizes in registers and "
+        "multiplies fp32 activations in fp32",
         "openvino": f"`optimum-cli export openvino --weight-format int4 --group-size {GROUP_SIZE}` (optimum-intel's "
         f"defaults otherwise: NNCF `INT4_ASYM`, ratio 1.0): the decoder layers' weights u4, asymmetric, groups of "
         f"{GROUP_SIZE} input columns (a u4 zero point and an f16 scale per group); the token embedding / tied LM head "
@@ -102,11 +105,12 @@ def decode_bytes(tensors: Mapping[str, tuple[str, int]]) -> dict[str, Any]:
     return {"stored": stored, "embedding": embedding, "tied": tied, "decode": stored if tied else stored - embedding}
 
 
-def config_decode_bytes(shape: Mapping[str, int], weight_format: str) -> int:
+def config_decode_bytes(shape: Mapping[str, int], weight_format: str, lm_head_format: str = "float") -> int:
     """`decode_bytes` from the model's shape (`probes.model_shape`) under our scheme, for a run that has not
     exported our artifact: fp32 for everything but the decoder layers' linear weights, which take 1 byte (int8) or
-    half a byte (int4) each plus one fp32 scale per output row (int8) or per `GROUP_SIZE` weights (int4); a tied
-    embedding counted once, an untied one not at all (one row gathered)."""
+    half a byte (int4) each plus one fp32 scale per output row (int8) or per `GROUP_SIZE` weights (int4), and the LM
+    head under ``lm_head_format`` int8 (1 byte a weight, one fp32 scale per vocabulary row); a tied embedding counted
+    once, an untied one not at all (one row gathered)."""
     floats = shape["params"] - shape["linear_params"]
     if not shape.get("tied", True):
         floats -= shape["lm_head_params"]  # the embedding table: the step gathers one row of it
@@ -117,6 +121,9 @@ def config_decode_bytes(shape: Mapping[str, int], weight_format: str) -> int:
         quantized = linear // 2 + 4 * (linear // GROUP_SIZE)
     else:
         quantized = 4 * linear
+    if lm_head_format == "int8":
+        floats -= shape["lm_head_params"]
+        quantized += shape["lm_head_params"] + 4 * shape["vocab"]
     return 4 * floats + quantized
 
 

@@ -105,7 +105,7 @@ def vllm(spec: dict[str, Any]) -> dict[str, Any]:
 
 def export(spec: dict[str, Any]) -> dict[str, Any]:
     """Our fp32 inductor artifact of ``batch`` rows (and ``linear_kernel``, ``weight_format``,
-    ``weight_group_size``) through the export cache (compiled on first use)."""
+    ``weight_group_size``, ``lm_head_format``) through the export cache (compiled on first use)."""
     from optimum.exporters.neuron.export import cached_export
     from optimum.neuron.config import NeuronConfig
 
@@ -118,6 +118,7 @@ def export(spec: dict[str, Any]) -> dict[str, Any]:
         linear_kernel=spec.get("linear_kernel", "auto"),
         weight_format=spec.get("weight_format", "float"),
         weight_group_size=spec.get("weight_group_size", 0),
+        lm_head_format=spec.get("lm_head_format", "float"),
     )
     return {"artifact": str(cached_export(spec["model"], config))}
 

@@ -65,6 +65,7 @@ def model_shape(model_dir: str | Path) -> dict[str, int]:
         "linear_rows": layers * (head_dim * (heads + 2 * kv_heads) + hidden + 2 * inter + hidden),
         "params": layers * per_layer + hidden + embed * (1 if tied else 2),
         "lm_head_params": embed,
+        "vocab": config["vocab_size"],
         "tied": int(tied),
         "layers": layers,
         "q_width": heads * head_dim,

@@ -163,20 +163,21 @@ def test_a_missing_quantized_model_names_its_setup_command(tmp_path: Path, capsy
     assert "invalid choice: 'int2'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_decode_bytes_of_our_quantized_artifact(fmt: str) -> None:
+@pytest.mark.parametrize(("fmt", "head"), [("int8", "float"), ("int4", "float"), ("int8", "int8")])
+def test_decode_bytes_of_our_quantized_artifact(fmt: str, head: str) -> None:
     """The floor's bytes, counted from the artifact's safetensors header, are those the scheme predicts from the
-    config (1 or half a byte per linear weight, fp32 scales, fp32 embedding stored once: tied) and well under fp32."""
-    artifact = export_fixture(f"llama-2x4x8-{fmt}-eager")
+    config (1 or half a byte per linear weight, fp32 scales, the embedding stored once: tied; fp32, or int8 under
+    ``--lm_head_format int8``) and well under fp32."""
+    artifact = export_fixture(f"llama-2x4x8-{fmt}{'' if head == 'float' else '-headint8'}-eager")
     tensors = formats.safetensors_tensors(artifact / "model.safetensors")
     counted = formats.decode_bytes(tensors)
     assert counted["tied"] and counted["decode"] == counted["stored"] == sum(b for _, b in tensors.values())
-    assert counted["embedding"] == 4 * 256 * 64
+    assert counted["embedding"] == (4 if head == "float" else 1) * 256 * 64
     stored = formats.by_type(tensors)
     assert set(stored) == {"F32", "I8" if fmt == "int8" else "U8"}
     shape = probes.model_shape(tiny_model("llama"))
     # the artifact also stores the rotary frequencies (head_dim / 2 floats), which the config's count leaves out
-    assert 0 <= counted["decode"] - formats.config_decode_bytes(shape, fmt) <= 4 * 64
+    assert 0 <= counted["decode"] - formats.config_decode_bytes(shape, fmt, head) <= 4 * 64
     assert counted["decode"] < 0.6 * probes.weight_bytes(shape)
 
 
@@ -196,6 +197,8 @@ def test_an_untied_lm_head_leaves_the_embedding_table_out(tmp_path: Path) -> Non
     assert counted == {"stored": 160 + 160 + 32 + 32, "embedding": 160, "tied": False, "decode": 160 + 32 + 32}
     shape = {"params": 2 * 40 + 32 + 5, "linear_params": 32, "linear_rows": 8, "lm_head_params": 40, "tied": 0}
     assert formats.config_decode_bytes(shape, "int8") == 4 * (40 + 5) + 32 + 4 * 8
+    # an int8 LM head: its 40 weights one byte each, one fp32 scale per vocabulary row
+    assert formats.config_decode_bytes(shape | {"vocab": 10}, "int8", "int8") == 4 * 5 + 32 + 4 * 8 + 40 + 4 * 10
 
 
 def test_openvino_constants_by_element_type(tmp_path: Path) -> None:
@@ -241,4 +244,4 @@ def test_quantized_report_names_its_format_and_counts_the_floor_from_the_artifac
     # without our artifact (e.g. `--only openvino`), the floor's bytes come from the config under our scheme
     del run["formats"]
     shape = run["probes"][0]["shape"]
-    assert figures.decode_bytes(run) == (formats.config_decode_bytes(shape, "int8"), "config")
+    assert figures.decode_bytes(run) == (formats.config_decode_bytes(shape, "int8", "int8"), "config")
