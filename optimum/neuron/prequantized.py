@@ -261,9 +261,9 @@ def take_quantized(
     if outside:
         raise QuantizedCheckpointError(
             f"the checkpoint quantizes {outside[:5]} ({len(outside)} in all), which stay in --auto_cast_type here "
-            "(only the linear layers of the decoder's layers are quantized; the LM head, embeddings, MoE routers and "
-            "experts are not): list them in the scheme's ignore (e.g. ignore=['lm_head']) when quantizing, or "
-            f"{INSTEAD}."
+            "(only the linear layers of the decoder's layers are taken quantized; the LM head, embeddings, MoE routers "
+            "and experts are not): list them in the scheme's ignore (e.g. ignore=['lm_head']) when quantizing (an "
+            f"int8 LM head: export the float one with --lm_head_format int8), or {INSTEAD}."
         )
     unquantized = [name for name in layers if name not in set(found)]
     if unquantized:

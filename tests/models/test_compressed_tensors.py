@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from optimum.neuron.artifact import WEIGHTS_FILE, Artifact
 from optimum.neuron.config import NeuronConfig
 from optimum.neuron.errors import IncompatibleConfigError, QuantizedCheckpointError
-from optimum.neuron.quantization import SCALE, dequantize, fit_weight_format, unpack_nibbles
+from optimum.neuron.quantization import SCALE, dequantize, fit_weight_format, quantize, unpack_nibbles
 from optimum.neuron.runtime.engine import Engine
 from tests.contract.engine_tools import alone, prefill_logits, prompt
 from tests.fixtures.llm.compressed import compressed_model
@@ -89,16 +89,30 @@ def test_the_artifact_stores_the_checkpoints_values_and_scales(scheme: str, lowe
     assert min(lows) == lowest, "compressed-tensors' symmetric range reaches -2^(b-1): the values keep it"
 
 
-def stored_of(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The weight set an export of ``checkpoint`` stores (no graph compiled)."""
+def stored_of(checkpoint: Path, **fields: Any) -> dict[str, torch.Tensor]:
+    """The weight set an export of ``checkpoint`` stores under config ``fields`` (no graph compiled)."""
     from optimum.exporters.neuron.compile import hf_config_of
     from optimum.neuron.artifact import empty_decoder
     from optimum.neuron.prequantized import stored_weights
     from optimum.neuron.weights import read_checkpoint
 
     config = hf_config_of(checkpoint)
-    fitted = fit_weight_format(NeuronConfig(), config)
+    fitted = fit_weight_format(NeuronConfig(**fields), config)
     return stored_weights(empty_decoder(config, fitted), config, read_checkpoint(checkpoint), fitted)
+
+
+def test_an_int8_lm_head_is_quantized_from_the_checkpoints_float_table() -> None:
+    """``--lm_head_format int8`` on a pre-quantized checkpoint: its layers are taken as they are, and its float tied
+    table is quantized by our int8 scheme (one scale per vocabulary row)."""
+    checkpoint = compressed_model("w8a16")
+    plain, headed = stored_of(checkpoint), stored_of(checkpoint, lm_head_format="int8")
+    table = load_file(str(checkpoint / "model.safetensors"))["model.embed_tokens.weight"].float()
+    q, scale = quantize(table, "int8", table.shape[1])
+    assert torch.equal(headed["model.embed_tokens.weight"], q) and torch.equal(
+        headed[f"model.embed_tokens.{SCALE}"], scale
+    )
+    assert set(headed) == set(plain) | {f"model.embed_tokens.{SCALE}"}
+    assert all(torch.equal(headed[name], plain[name]) for name in plain if not name.startswith("model.embed_tokens"))
 
 
 @pytest.mark.parametrize(
