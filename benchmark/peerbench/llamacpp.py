@@ -1,11 +1,12 @@
 """llama.cpp's own benchmark tool on the run's GGUF (F32, or the Q8_0 / Q4_0 that ``llama-quantize`` made of it):
 ``llama-bench -t 2 -p 256,1024 -n 128``, one fresh process per round. Its prompt-processing tests (pp256, pp1024) are
 prefills of that many tokens from an empty context (no sampling); its token-generation test (tg128) decodes 128 tokens
-one at a time from an empty context."""
+one at a time from an empty context. `perplexity` runs ``llama-perplexity`` (`benchmark.peer_quality`)."""
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 from pathlib import Path
@@ -61,3 +62,17 @@ def run(layout: Layout, prompt_lengths: list[int], new_tokens: int, repetitions:
     if done.returncode != 0:
         raise RuntimeError(f"llama-bench failed (exit {done.returncode}): {done.stderr[-2000:]}")
     return parse(json.loads(done.stdout))
+
+
+def perplexity(layout: Layout, text: Path, context: int) -> dict[str, Any]:
+    """llama.cpp's own perplexity of ``text`` (``llama-perplexity -c context``, 2 threads): its protocol, not ours
+    (each window of ``context`` tokens scores only its second half), so compare its formats with each other."""
+    for path in (layout.llama_perplexity, layout.gguf):
+        if not Path(path).is_file():
+            raise layout.missing(f"llama.cpp ({path})")
+    cmd = [str(layout.llama_perplexity), "-m", str(layout.gguf), "-f", str(text), "-c", str(context)]
+    done = subprocess.run([*cmd, "-t", str(THREADS)], capture_output=True, text=True)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(f"llama-perplexity failed (exit {done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
+    return {"perplexity": float(found.group(1))}

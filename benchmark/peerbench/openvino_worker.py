@@ -11,6 +11,7 @@ Prompts are token ids (`TokenizedInputs`: no chat template, no tokenizer in the 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -199,6 +200,36 @@ def plugin(spec: dict[str, Any]) -> dict[str, Any]:
     return out | {"kernels": kernels, "default": best(runs), "dynamic_quantization_off": best(runs_off)}
 
 
+def perplexity(spec: dict[str, Any]) -> dict[str, Any]:
+    """exp of the mean negative log-likelihood of ``spec["ids"]`` under the IR compiled with the pipelines'
+    `properties`, scored in windows of ``spec["window"]`` tokens, each on a fresh sequence (its first token has no
+    context and is not scored): the protocol of our `benchmark.quantized.perplexity`, in float64."""
+    import numpy
+    import openvino
+
+    compiled = openvino.Core().compile_model(f"{spec['ir']}/openvino_model.xml", "CPU", properties(spec))
+    names = {i.get_any_name() for i in compiled.inputs}
+    ids, window = spec["ids"], spec["window"]
+    nll, scored = 0.0, 0
+    for start in range(0, len(ids), window):
+        chunk = numpy.array(ids[start : start + window], dtype=numpy.int64)[None]
+        feed = {
+            "input_ids": chunk,
+            "attention_mask": numpy.ones_like(chunk),
+            "position_ids": numpy.arange(chunk.shape[1], dtype=numpy.int64)[None],
+            "beam_idx": numpy.zeros(1, dtype=numpy.int32),
+        }
+        request = compiled.create_infer_request()
+        logits = request.infer({k: v for k, v in feed.items() if k in names})[compiled.output(0)][0, :-1]
+        logits = logits.astype(numpy.float64)
+        top = logits.max(axis=-1, keepdims=True)
+        logz = top[:, 0] + numpy.log(numpy.exp(logits - top).sum(axis=-1))
+        picked = logits[numpy.arange(logits.shape[0]), chunk[0, 1:]]
+        nll += float((logz - picked).sum())
+        scored += logits.shape[0]
+    return {"perplexity": math.exp(nll / scored), "scored_tokens": scored}
+
+
 MEASUREMENTS = {
     "decode": decode,
     "decode_batch": decode_batch,
@@ -206,6 +237,7 @@ MEASUREMENTS = {
     "workload": workload,
     "versions": versions,
     "plugin": plugin,
+    "perplexity": perplexity,
 }
 
 

@@ -245,3 +245,16 @@ def test_quantized_report_names_its_format_and_counts_the_floor_from_the_artifac
     del run["formats"]
     shape = run["probes"][0]["shape"]
     assert figures.decode_bytes(run) == (formats.config_decode_bytes(shape, "int8", "int8"), "config")
+
+
+def test_peer_quality_report_gives_each_systems_ratio_to_its_own_fp32() -> None:
+    from benchmark import peer_quality
+    from benchmark.machine import describe
+
+    figures = {"ours": (13.1, 13.16, 20.1), "openvino": (13.0, 13.2, 15.6), "llamacpp": (9.0, 9.1, 11.7)}
+    formats = ("fp32", "int8", "int4")
+    systems = {s: {f: {"perplexity": p} for f, p in zip(formats, v, strict=True)} for s, v in figures.items()}
+    text = peer_quality.render({"machine": describe(), "tokens": 4096, "window": 1024, "systems": systems})
+    assert "| ours | 13.100 | 1.000 | 13.160 | 1.005 | 20.100 | 1.534 |" in text
+    assert "| llama.cpp (its own protocol) | 9.000 | 1.000 | 9.100 | 1.011 | 11.700 | 1.300 |" in text
+    assert "4 windows of 1,024 tokens" in text
