@@ -361,16 +361,22 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 results["fit"] = fit(model_dir, rounds, args.quick)
             progress.advance(task)
-    write_report(RESULTS / args.machine, earlier_parts(RESULTS / args.machine, args.parts) | results)
+    results["machines"] = dict.fromkeys(args.parts, results["machine"])
+    earlier = earlier_parts(RESULTS / args.machine, args.parts)
+    results["machines"] = earlier.pop("machines", {}) | results["machines"]
+    write_report(RESULTS / args.machine, earlier | results)
 
 
 def earlier_parts(folder: Path, run: list[str]) -> dict[str, Any]:
-    """The parts of the committed ``paged.json`` this run did not measure, so parts may be run one at a time."""
+    """The parts of the committed ``paged.json`` this run did not measure, so parts may be run one at a time, and
+    under ``machines`` the machine each was measured on (a file from before parts recorded theirs: its one machine)."""
     path = folder / "paged.json"
     if not path.is_file():
         return {}
     earlier = json.loads(path.read_text())
-    return {part: earlier[part] for part in PARTS if part in earlier and part not in run}
+    kept = {part: earlier[part] for part in PARTS if part in earlier and part not in run}
+    machines = earlier.get("machines", {})
+    return kept | {"machines": {part: machines.get(part, earlier["machine"]) for part in kept}}
 
 
 if __name__ == "__main__":

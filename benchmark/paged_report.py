@@ -133,18 +133,27 @@ def kv_int8_lines(kv: dict[str, Any]) -> list[str]:
     return [*lines, "", f"1-minute load at the end of the part: {kv['load']:.2f}.", ""]
 
 
+def machine_lines(results: dict[str, Any]) -> list[str]:
+    """The machine the parts were measured on: one line when they share it, else one per part (parts run at different
+    times keep their own: `benchmark.paged.earlier_parts`)."""
+    machines = results.get("machines") or {"": results["machine"]}
+    described = {part: machine_line(machine) for part, machine in machines.items()}
+    if len(set(described.values())) == 1:
+        return [f"Machine: {next(iter(described.values()))}."]
+    return ["Machines, per part:", "", *(f"- {part}: {line}." for part, line in described.items())]
+
+
 def write_report(folder: Path, results: dict[str, Any]) -> None:
     """``paged.md`` and ``paged.json`` under ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "paged.json").write_text(json.dumps(results, indent=1))
-    machine = machine_line(results["machine"])
     lines = [
         "# Paged KV cache: SmolLM2-135M-Instruct, fp32, inductor",
         "",
         f"Command: `.venv/bin/python -m benchmark.paged` ({results['rounds']} interleaved rounds; each value below is "
         "one round).",
         "",
-        f"Machine: {machine}.",
+        *machine_lines(results),
         "",
     ]
     if "blocks" in results:
