@@ -26,14 +26,21 @@ from benchmark.peerbench.layout import WEIGHT_FORMATS, Layout
 from benchmark.quantized import PERPLEXITY_TOKENS, WINDOW, export_for, run_fresh, text_ids
 
 RESULTS = Path(__file__).parent / "results"
-SYSTEMS = ("ours", "openvino", "llamacpp")
-NAMES = {"ours": "ours", "openvino": "OpenVINO GenAI", "llamacpp": "llama.cpp (its own protocol)"}
+SYSTEMS = ("ours", "ours-full", "openvino", "llamacpp")
+NAMES = {
+    "ours": "ours",
+    "ours-full": "ours, `--int4_range full`",
+    "openvino": "OpenVINO GenAI",
+    "llamacpp": "llama.cpp (its own protocol)",
+}
+"""``ours-full``: our int4 over Q4_0's 16 levels (its fp32 and int8 are ours: only int4 differs)."""
 
 
-def ours(layout: Layout, fmt: str) -> dict[str, Any]:
-    """Our perplexity at ``fmt`` (a batch-1 artifact with the prompt-logprobs graph, from the export cache)."""
+def ours(layout: Layout, fmt: str, int4_range: str = "symmetric") -> dict[str, Any]:
+    """Our perplexity at ``fmt`` (a batch-1 artifact with the prompt-logprobs graph, from the export cache; int4 with
+    ``--int4_range int4_range``)."""
     spec = OURS_FORMATS[fmt]
-    args = (spec["weight_format"], spec["weight_group_size"], spec["lm_head_format"])
+    args = (spec["weight_format"], spec["weight_group_size"], spec["lm_head_format"], int4_range)
     artifact = export_for(layout.model, *args, 1)
     return run_fresh({"task": "perplexity", "artifact": str(artifact), "tokens": PERPLEXITY_TOKENS})
 
@@ -60,6 +67,8 @@ def measure(system: str, layout: Layout, fmt: str, ids: list[int], text: Path) -
     """``system``'s perplexity at ``fmt``."""
     if system == "ours":
         return ours(layout, fmt)
+    if system == "ours-full":
+        return ours(layout, fmt, "full") if fmt == "int4" else {}
     return openvino(layout, ids) if system == "openvino" else llamacpp(layout, text)
 
 
@@ -104,8 +113,11 @@ def render(body: dict[str, Any]) -> str:
         "|---|" + "---|---|" * len(WEIGHT_FORMATS),
     ]
     for system, row in body["systems"].items():
-        base = row["fp32"]["perplexity"]
-        cells = [f"{row[fmt]['perplexity']:.3f} | {row[fmt]['perplexity'] / base:.3f}" for fmt in WEIGHT_FORMATS]
+        base = (body["systems"]["ours"] if system == "ours-full" else row)["fp32"]["perplexity"]
+        cells = [
+            f"{row[fmt]['perplexity']:.3f} | {row[fmt]['perplexity'] / base:.3f}" if row[fmt] else "— | —"
+            for fmt in WEIGHT_FORMATS
+        ]
         lines.append(f"| {NAMES[system]} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -35,15 +35,16 @@ from benchmark.machine import describe, machine_line, read_bandwidth, save_resul
 
 RESULTS = Path(__file__).parent / "results"
 FORMATS = {
-    "fp32": ("float", 0, "float"),
-    "int8": ("int8", 0, "float"),
-    "int8 + int8 head": ("int8", 0, "int8"),
-    "int4 g64": ("int4", 0, "float"),
-    "int4 g64 + int8 head": ("int4", 0, "int8"),
-    "int4 g32": ("int4", 32, "float"),
+    "fp32": ("float", 0, "float", "symmetric"),
+    "int8": ("int8", 0, "float", "symmetric"),
+    "int8 + int8 head": ("int8", 0, "int8", "symmetric"),
+    "int4 g64": ("int4", 0, "float", "symmetric"),
+    "int4 g64 + int8 head": ("int4", 0, "int8", "symmetric"),
+    "int4 g64 full + int8 head": ("int4", 0, "int8", "full"),
+    "int4 g32": ("int4", 32, "float", "symmetric"),
 }
-"""Each measured format: its label -> ``(--weight_format, --weight_group_size, --lm_head_format)`` (group 0: the
-default, 64 for SmolLM2)."""
+"""Each measured format: its label -> ``(--weight_format, --weight_group_size, --lm_head_format, --int4_range)``
+(group 0: the default, 64 for SmolLM2)."""
 SEQUENCE_LENGTH, CHUNK = 1024, 256
 CONTEXTS = (64, 1000)
 PERPLEXITY_TOKENS, WINDOW = 4096, 1024
@@ -61,9 +62,10 @@ TOPICS = (
 """The chat prompts' subjects: "Explain <topic> in two sentences."."""
 
 
-def export_for(model_dir: Path, fmt: str, group: int, head: str, batch: int) -> Path:
-    """The benchmarked artifact of format ``fmt`` (int4 group ``group``), LM head format ``head`` and batch ``batch``
-    (cached export); batch 1 also compiles the prompt-logprobs graph that perplexity needs."""
+def export_for(model_dir: Path, fmt: str, group: int, head: str, int4_range: str, batch: int) -> Path:
+    """The benchmarked artifact of format ``fmt`` (int4 group ``group`` and range ``int4_range``), LM head format
+    ``head`` and batch ``batch`` (cached export); batch 1 also compiles the prompt-logprobs graph that perplexity
+    needs."""
     from optimum.exporters.neuron.export import cached_export
     from optimum.neuron.config import NeuronConfig
 
@@ -74,6 +76,7 @@ def export_for(model_dir: Path, fmt: str, group: int, head: str, batch: int) -> 
         weight_format=fmt,
         weight_group_size=group,
         lm_head_format=head,
+        int4_range=int4_range,
         decode_logits=False,
         prompt_logprobs=batch == 1,
     )
@@ -171,6 +174,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="context 64 only, 8 steps, 1,024 text tokens, 8 prompts")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps (a 1,000-token context leaves 20)")
     parser.add_argument("--machine", default="cpu-2core", help="results subfolder name")
+    parser.add_argument(
+        "--formats", help="comma-separated labels of FORMATS to measure (fp32 always; results then in quantized-subset)"
+    )
     args = parser.parse_args()
     if args.worker:
         _worker(json.loads(args.worker))
@@ -182,12 +188,16 @@ def main() -> None:
     steps = 8 if args.quick else args.steps
     text, prompts = (1024, 8) if args.quick else (PERPLEXITY_TOKENS, CHAT_PROMPTS)
     model_dir = convert_smollm2(default_smollm2_dir("fp32"), dtype="fp32")
-    artifacts = {(label, b): export_for(model_dir, *FORMATS[label], b) for label in FORMATS for b in (1, 8)}
+    labels = list(FORMATS) if not args.formats else ["fp32", *(f for f in args.formats.split(",") if f != "fp32")]
+    unknown = set(labels) - set(FORMATS)
+    if unknown:
+        parser.error(f"--formats takes labels of {list(FORMATS)}; unknown: {sorted(unknown)}")
+    artifacts = {(label, b): export_for(model_dir, *FORMATS[label], b) for label in labels for b in (1, 8)}
     bandwidth = read_bandwidth()
     body: dict[str, Any] = {"machine": describe(), "read_gbs": bandwidth / 1e9, "steps": steps, "formats": {}}
-    total = len(FORMATS) * (2 * len(contexts) + 2)
+    total = len(labels) * (2 * len(contexts) + 2)
     with StepProgress("benchmark quantized weights", total) as bar:
-        for fmt in FORMATS:  # a label
+        for fmt in labels:
             row: dict[str, Any] = {"size_bytes": (artifacts[(fmt, 1)] / "model.safetensors").stat().st_size}
             row["step_bytes"] = step_bytes(artifacts[(fmt, 1)])
             row["floor_ms"] = 1000 * row["step_bytes"] / bandwidth
@@ -206,9 +216,8 @@ def main() -> None:
     for row in body["formats"].values():
         row["agreement"] = agreement(reference, row["chat_tokens"])
     body["contexts"] = list(contexts)
-    save_results(
-        RESULTS / args.machine / ("quantized-quick.json" if args.quick else "quantized.json"), body, render(body)
-    )
+    name = "quantized-quick" if args.quick else "quantized-subset" if args.formats else "quantized"
+    save_results(RESULTS / args.machine / f"{name}.json", body, render(body))
 
 
 def render(body: dict[str, Any]) -> str:
@@ -221,8 +230,9 @@ def render(body: dict[str, Any]) -> str:
         + machine_line(body["machine"])
         + f". Read bandwidth measured in the run: {body['read_gbs']:.1f} GB/s. S={SEQUENCE_LENGTH}, C={CHUNK}; "
         f"decode = median of {body['steps']} steps after 3 warm-up, each cell in a fresh process. int8: per output "
-        "channel; int4 gG: groups of G input columns (64: the default for SmolLM2); + int8 head: `--lm_head_format "
-        "int8`, the tied embedding / LM head table int8 per vocabulary row (else fp32); norms fp32.",
+        "channel; int4 gG: groups of G input columns (64: the default for SmolLM2), full: `--int4_range full` (16 "
+        "levels, Q4_0's rule); + int8 head: `--lm_head_format int8`, the tied embedding / LM head table int8 per "
+        "vocabulary row (else fp32); norms fp32.",
         "",
         "| format | model.safetensors MB | x fp32 | bytes a step reads MB | floor ms |"
         + "".join(f" b{b} c{c} ms | x fp32 | x floor |" for b in (1, 8) for c in body["contexts"])

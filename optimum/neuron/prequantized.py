@@ -216,7 +216,7 @@ def _compression(scheme: Any, default_format: str) -> str:
 
 def fit_checkpoint_format(config: NeuronConfig, scheme: CheckpointScheme) -> NeuronConfig:
     """``config`` with the checkpoint's format and group size; an explicit ``--weight_format`` or
-    ``--weight_group_size`` that differs is refused naming the flag."""
+    ``--weight_group_size`` that differs, or ``--int4_range full``, is refused naming the flag."""
     source = f"the checkpoint is already quantized ({METHOD} {scheme.describe()}) and is exported as it is"
     if config.weight_format not in ("float", scheme.weight_format):
         raise IncompatibleConfigError(
@@ -228,6 +228,11 @@ def fit_checkpoint_format(config: NeuronConfig, scheme: CheckpointScheme) -> Neu
         raise IncompatibleConfigError(
             f"weight_group_size={config.weight_group_size}: {source}, with groups of {scheme.group_size or 'one row'}"
             f": drop {flag('weight_group_size')}; to quantize otherwise, export the float checkpoint it was made from."
+        )
+    if config.int4_range != "symmetric":
+        raise IncompatibleConfigError(
+            f"int4_range={config.int4_range!r}: {source}, with its own values and scales: drop {flag('int4_range')}; "
+            "to quantize otherwise, export the float checkpoint it was made from."
         )
     return config.derive(weight_format=scheme.weight_format, weight_group_size=scheme.group_size)
 

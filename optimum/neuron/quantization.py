@@ -4,7 +4,9 @@ The scheme (exactly, so a test can run transformers on the same dequantized weig
 
 * int8: per output channel, symmetric: ``scale = max|w_row| / 127``, ``q = round(w / scale)``;
 * int4: per group of G consecutive input columns of each output row, symmetric: ``scale = max|w_group| / 7``,
-  ``q = round(w / scale)`` in [-7, 7].
+  ``q = round(w / scale)`` in [-7, 7]; with ``--int4_range full``, llama.cpp Q4_0's rule over all 16 levels: the
+  group's weight of largest magnitude ``m`` (signed) gives ``scale = m / -8`` (negative when ``m`` is positive), so it
+  maps to -8 exactly and ``q = round(w / scale)`` lies in [-8, 7].
 
 ``torch.round`` rounds half to even; a row (group) of zeros has scale 0 and q 0. The dequantized weight is
 ``q * scale`` in fp32 (`dequantize`): what every kernel multiplies by.
@@ -45,15 +47,20 @@ ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 """Projections tensor parallelism splits along their input features (`layers.parallel.ROW_PARALLEL`)."""
 
 
-def quantize(weight: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    weight: torch.Tensor, fmt: str, group: int, int4_range: str = "symmetric"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q int8 [N, K], scale float32 [N, K / group])`` of ``weight [N, K]`` under format ``fmt`` (the scheme
-    above; int8 takes ``group = K``)."""
+    above; int8 takes ``group = K``; ``int4_range`` ``full``: Q4_0's 16 levels)."""
     rows, columns = weight.shape
-    levels = LEVELS[fmt]
     grouped = weight.float().reshape(rows, columns // group, group)
-    scale = grouped.abs().amax(dim=-1) / levels
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(grouped / divisor[..., None]).clamp(-levels, levels)
+    if fmt == "int4" and int4_range == "full":
+        largest = grouped.gather(-1, grouped.abs().argmax(dim=-1, keepdim=True))[..., 0]
+        scale, low, high = largest / -8, -8, 7
+    else:
+        scale, low, high = grouped.abs().amax(dim=-1) / LEVELS[fmt], -LEVELS[fmt], LEVELS[fmt]
+    divisor = torch.where(scale != 0, scale, torch.ones_like(scale))
+    q = torch.round(grouped / divisor[..., None]).clamp(low, high)
     return q.to(torch.int8).reshape(rows, columns), scale
 
 
@@ -124,7 +131,8 @@ def stored_form(weights: dict[str, torch.Tensor], layers: Iterable[str], config:
         if fmt == "float":
             continue
         weight = stored.pop(f"{layer}.weight")
-        q, scale = quantize(weight, fmt, config.weight_group_size if fmt == "int4" else weight.shape[1])
+        group = config.weight_group_size if fmt == "int4" else weight.shape[1]
+        q, scale = quantize(weight, fmt, group, config.int4_range)
         stored[f"{layer}.weight"] = pack_nibbles(q) if fmt == "int4" else q
         stored[f"{layer}.{SCALE}"] = scale
     return stored
@@ -143,7 +151,8 @@ def graph_form(weights: dict[str, torch.Tensor], config: NeuronConfig, shard: Sh
     """A rank's quantized weights as the graphs bind them (before the packed kernel's packing): int4 unpacked to one
     int8 per weight, each tensor sliced by ``shard``. At ``tp_degree > 1`` the scales of the row-parallel projections,
     which split their input columns, are spread over the columns first, sliced with the weight, then gathered back
-    into groups (a padded head's columns have zero scales: the group's maximum is its real scale)."""
+    into groups (a padded head's columns have zero scales: the group's scale of largest magnitude is its real one,
+    negative under ``--int4_range full``)."""
     layers = quantized_layers(weights)
     if not layers:
         return shard(weights)
@@ -159,7 +168,8 @@ def graph_form(weights: dict[str, torch.Tensor], config: NeuronConfig, shard: Sh
     for layer in split:
         spread = ranked[f"{layer}.{SCALE}"]
         group = config.weight_group_size if config.weight_format == "int4" else spread.shape[1]
-        ranked[f"{layer}.{SCALE}"] = spread.reshape(spread.shape[0], -1, group).amax(dim=-1).contiguous()
+        grouped = spread.reshape(spread.shape[0], -1, group)  # a real group's one scale, or zeros (a padded head's)
+        ranked[f"{layer}.{SCALE}"] = grouped.gather(-1, grouped.abs().argmax(dim=-1, keepdim=True))[..., 0].contiguous()
     return ranked
 
 
@@ -195,7 +205,9 @@ def fit_group_size(config: NeuronConfig, hf_config: Any) -> NeuronConfig:
     from .models.registry import language_config
 
     def inputs(tp_degree: int) -> list[int]:
-        float_config = config.derive(tp_degree=tp_degree, weight_format="float", weight_group_size=0)
+        float_config = config.derive(
+            tp_degree=tp_degree, weight_format="float", weight_group_size=0, int4_range="symmetric"
+        )
         decoder = empty_decoder(hf_config, float_config)
         return quantized_inputs(decoder)
 

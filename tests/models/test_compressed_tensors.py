@@ -177,6 +177,8 @@ def test_the_flags_take_the_checkpoints_format_and_refuse_another() -> None:
         fit_weight_format(NeuronConfig(weight_format="int8"), config)
     with pytest.raises(IncompatibleConfigError, match=r"weight_group_size=64: .*--weight_group_size"):
         fit_weight_format(NeuronConfig(weight_format="int4", weight_group_size=64), config)
+    with pytest.raises(IncompatibleConfigError, match=r"int4_range='full': .*own values and scales.*--int4_range"):
+        fit_weight_format(NeuronConfig(weight_format="int4", int4_range="full"), config)
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,8 @@ def reference_for(engine: Engine, name: str) -> Path:
     """The transformers checkpoint of fixture ``name`` with the artifact's quantized weights dequantized."""
     config = engine.config
     model = fixture_named(name).model()
-    return dequantized_checkpoint(model, config.weight_format, config.weight_group_size, config.lm_head_format)
+    fmt, group = config.weight_format, config.weight_group_size
+    return dequantized_checkpoint(model, fmt, group, config.lm_head_format, config.int4_range)
 
 
 @pytest.mark.parametrize("name", SINGLE)
@@ -63,7 +64,8 @@ def test_two_ranks_slice_scales_with_their_rows_and_columns(tmp_path: Path) -> N
     assert ranks[0] == ranks[1], "the ranks returned different tokens"
     for name in RANKED:
         config = Artifact.open(export_fixture(name)).config
-        reference = dequantized_checkpoint(fixture_named(name).model(), config.weight_format, config.weight_group_size)
+        model, fmt, group = fixture_named(name).model(), config.weight_format, config.weight_group_size
+        reference = dequantized_checkpoint(model, fmt, group, config.lm_head_format, config.int4_range)
         for length, tokens in ranks[0][name].items():
             assert tokens == hf_greedy(reference, prompt(length, length), NEW), (name, length)
 
@@ -115,6 +117,21 @@ def test_an_int8_lm_head_is_stored_once_per_vocabulary_row(name: str, head: str)
     assert Artifact.open(root).config.lm_head_format == "int8"
 
 
+def test_the_full_int4_range_is_q4_0s_rule() -> None:
+    """``--int4_range full``: the group's weight of largest magnitude gives ``scale = m / -8`` and lands on -8 exactly;
+    every value in [-8, 7]; a zero group has scale 0; the error is at most half a step, as the symmetric scheme's."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 64)
+    w[2, :32] = 0
+    w[3, 5] = 9.0  # a positive largest value: negative scale
+    q, scale = quantize(w, "int4", 32, "full")
+    assert scale[3, 0].item() == -9.0 / 8 and q[3, 5].item() == -8
+    assert int(q.min()) == -8 and int(q.max()) <= 7 and scale[2, 0].item() == 0 and not q[2, :32].any()
+    assert (dequantize(q, scale) - w).abs().max() <= scale.abs().max() / 2 + 1e-6
+    levels = {int(v) for v in torch.unique(quantize(torch.randn(64, 256), "int4", 64, "full")[0])}
+    assert levels == set(range(-8, 8)), "all 16 levels are used"
+
+
 def test_the_scheme_is_the_documented_one() -> None:
     """int8: ``scale = max|row| / 127``; int4: ``scale = max|group| / 7``; ``q = round(w / scale)`` (half to even);
     a zero row gives zero scale and zero values; int4 values survive the two-per-byte storage."""
@@ -139,6 +156,8 @@ def test_the_scheme_is_the_documented_one() -> None:
         ({"weight_format": "int8", "weight_group_size": 64}, "--weight_group_size"),
         ({"weight_format": "int4", "weight_group_size": 33}, "--weight_group_size"),
         ({"lm_head_format": "int4"}, "--lm_head_format"),
+        ({"int4_range": "full"}, "--int4_range"),
+        ({"weight_format": "int4", "int4_range": "asymmetric"}, "--int4_range"),
     ],
 )
 def test_bad_weight_flags_are_refused_naming_the_flag(fields: dict, message: str) -> None:
