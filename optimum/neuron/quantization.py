@@ -55,13 +55,17 @@ def quantize(
     rows, columns = weight.shape
     grouped = weight.float().reshape(rows, columns // group, group)
     if fmt == "int4" and int4_range == "full":
-        largest = grouped.gather(-1, grouped.abs().argmax(dim=-1, keepdim=True))[..., 0]
-        scale, low, high = largest / -8, -8, 7
+        scale, low, high = largest_magnitude(grouped) / -8, -8, 7
     else:
         scale, low, high = grouped.abs().amax(dim=-1) / LEVELS[fmt], -LEVELS[fmt], LEVELS[fmt]
     divisor = torch.where(scale != 0, scale, torch.ones_like(scale))
     q = torch.round(grouped / divisor[..., None]).clamp(low, high)
     return q.to(torch.int8).reshape(rows, columns), scale
+
+
+def largest_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """The value of largest magnitude along the last dimension of ``x``, with its sign (the first of equal ones)."""
+    return x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))[..., 0]
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -169,7 +173,7 @@ def graph_form(weights: dict[str, torch.Tensor], config: NeuronConfig, shard: Sh
         spread = ranked[f"{layer}.{SCALE}"]
         group = config.weight_group_size if config.weight_format == "int4" else spread.shape[1]
         grouped = spread.reshape(spread.shape[0], -1, group)  # a real group's one scale, or zeros (a padded head's)
-        ranked[f"{layer}.{SCALE}"] = grouped.gather(-1, grouped.abs().argmax(dim=-1, keepdim=True))[..., 0].contiguous()
+        ranked[f"{layer}.{SCALE}"] = largest_magnitude(grouped).contiguous()
     return ranked
 
 
