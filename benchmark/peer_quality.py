@@ -81,11 +81,12 @@ def main() -> None:
     from optimum.neuron.progress import StepProgress
 
     layouts = {fmt: Layout.default(fmt) for fmt in WEIGHT_FORMATS}
-    ids = text_ids(AutoTokenizer.from_pretrained(layouts["fp32"].model), PERPLEXITY_TOKENS)
+    tokenizer = AutoTokenizer.from_pretrained(layouts["fp32"].model)
+    ids = text_ids(tokenizer, PERPLEXITY_TOKENS)
     body: dict[str, Any] = {"machine": describe(), "tokens": len(ids), "window": WINDOW, "systems": {}}
     with tempfile.TemporaryDirectory() as tmp, StepProgress("peer quality", len(SYSTEMS) * len(WEIGHT_FORMATS)) as bar:
         text = Path(tmp) / "text.txt"
-        text.write_text(AutoTokenizer.from_pretrained(layouts["fp32"].model).decode(ids))
+        text.write_text(tokenizer.decode(ids))
         for system in SYSTEMS:
             body["systems"][system] = {}
             for fmt, layout in layouts.items():
