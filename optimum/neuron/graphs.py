@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from .config import SYMBOLIC_SHAPE_BACKENDS, NeuronConfig
+from .config import SMALLEST_CHUNK_BUCKET, SYMBOLIC_SHAPE_BACKENDS, NeuronConfig
 
 
 class GraphKind(str, enum.Enum):
@@ -163,6 +163,24 @@ def _as_compiled(spec: GraphSpec, config: NeuronConfig, full_only: bool = False)
     chunks: list[tuple[int, ...]] = [(c,) for c in (spec.chunks[-1:] if full_only else spec.chunks)] or [()]
     replace = dataclasses.replace
     return [replace(spec, windows=w, chunks=c, tokens=c[0] if c else spec.tokens) for c in chunks for w in windows]
+
+
+def compiled_form(spec: GraphSpec) -> GraphSpec:
+    """The graph compiled (and keyed in the per-graph cache) for ``spec``: a symbolic dimension spans every size the
+    sequence length allows, not only the artifact's own buckets, so that artifacts differing only in
+    ``prefill_chunk_size``, ``chunk_buckets`` or ``kv_buckets`` share their graphs (each runtime pads its calls to
+    its own artifact's buckets). Symbolic token columns span `SMALLEST_CHUNK_BUCKET` to the sequence length, a
+    symbolic window two blocks (one when the artifact's smallest window is one) to the sequence length; both are
+    traced at the sequence length. (Traced at 256 or 2,048 tokens, SmolLM2's prefill of 100, 256 and 1,024 tokens ran
+    within 1 % of the graph traced at its 256-token chunk.) The name is the spec's: the artifact's graph file is this
+    graph."""
+    form, top = spec, spec.sequence_length
+    if spec.symbolic_chunk:
+        form = dataclasses.replace(form, chunks=(SMALLEST_CHUNK_BUCKET, top), tokens=top, chunk_size=top)
+    if spec.symbolic_window:
+        form = dataclasses.replace(form, windows=(min(2 * spec.block_size, spec.windows[0]), top))
+    assert form.name == spec.name, (form.name, spec.name)
+    return form
 
 
 class GraphCall(NamedTuple):

@@ -1,6 +1,7 @@
 """``optimum-cli neuron cache list | clear | prune`` on a cache built by real (eager) exports of the tiny llama: two
-exports differing only in ``prefill_chunk_size`` (two artifacts, three graph entries: the token-generation one is
-shared), run the way a user runs the CLI, against a private copy of that cache per test."""
+exports differing only in their prefill graph (chunks of 8 with their buckets, a symbolic dimension; a static chunk of
+16), so two artifacts and three graph entries (the token-generation one is shared), run the way a user runs the CLI,
+against a private copy of that cache per test."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from optimum.neuron.errors import CacheError
 from tests.fixtures.llm.models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
-CHUNKS = (8, 16)
+CHUNKS = {8: "auto", 16: "none"}
+"""The two exports: prefill chunk size -> chunk buckets (different chunk sizes alone share a symbolic prefill graph)."""
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache holding the eager exports of the tiny llama at chunk sizes 8 and 16, a converted model and the
-    scratch caches (stand-ins: the kernel may have been built into another cache by an earlier test)."""
+    """A cache holding the eager exports of the tiny llama of `CHUNKS`, a converted model and the scratch caches
+    (stand-ins: the kernel may have been built into another cache by an earlier test)."""
     from optimum.exporters.neuron.export import cached_export
     from optimum.neuron.config import NeuronConfig
 
@@ -32,9 +34,14 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = tmp_path_factory.mktemp("built") / "cache"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OPTIMUM_NEURON_CACHE", str(cache))
-        for chunk in CHUNKS:
+        for chunk, buckets in CHUNKS.items():
             config = NeuronConfig(
-                batch_size=2, sequence_length=32, prefill_chunk_size=chunk, backend="eager", decode_logits=False
+                batch_size=2,
+                sequence_length=32,
+                prefill_chunk_size=chunk,
+                chunk_buckets=buckets,
+                backend="eager",
+                decode_logits=False,
             )
             cached_export(model, config)
     for stand_in in ("models/tiny-stand-in", "kernels/stand-in", "inductor/stand-in"):  # built or not by now
@@ -89,7 +96,7 @@ def test_list_shows_artifacts_shared_graphs_and_totals_counted_once(cache: Path)
     body = listing(cache)
     assert body["root"] == str(cache)
     artifacts = by_chunk(body)
-    assert sorted(artifacts) == list(CHUNKS)
+    assert sorted(artifacts) == sorted(CHUNKS)
     assert all(
         a["model_type"] == "llama" and a["backend"] == "eager" and a["batch_size"] == 2 for a in artifacts.values()
     )

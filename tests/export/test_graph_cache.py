@@ -93,8 +93,11 @@ def test_only_the_graphs_a_change_reaches_get_new_keys(model: Path) -> None:
         return {s.name: graph_key(s, neuron_config, hf_config, backend) for s in graph_specs(neuron_config)}
 
     eight, sixteen, three = keys(config()), keys(config(prefill_chunk_size=16)), keys(config(batch_size=3))
-    assert eight["token_generation"] == sixteen["token_generation"]
-    assert eight["chunked_prefill"] != sixteen["chunked_prefill"]
+    assert eight == sixteen, "a symbolic chunk dimension spans every length up to the sequence: one prefill graph"
+    assert keys(config(kv_buckets="8")) == eight, "windows 8, 16, 32 or 16, 32: a symbolic window spans them all"
+    static = keys(config(prefill_chunk_size=16, chunk_buckets="none"))
+    assert static["token_generation"] == eight["token_generation"]
+    assert static["chunked_prefill"] != eight["chunked_prefill"]
     assert not set(eight.values()) & set(three.values())
 
 
@@ -115,8 +118,10 @@ def test_parallel_compile_then_a_reexport_with_another_chunk(
     private_cache: Path, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Two graphs compiled by two processes give the artifact one process gives (the shared fixture of the same
-    config: the same keys, generated code, weights and tokens); a re-export changing only the chunk then compiles
-    only the prefill graph and takes the token-generation graph, and its tokens equal transformers'."""
+    config: the same keys, generated code, weights and tokens); a re-export changing only the chunk then takes both
+    graphs (the prefill graph's symbolic chunk spans every length) and only reads the checkpoint; one with a static
+    chunk (``chunk_buckets="none"``) compiles only its prefill graph and takes the token-generation graph; the tokens
+    of both equal transformers'."""
     monkeypatch.setenv(WORKERS_ENV, "2")
     parallel = export(model, tmp_path / "eight", config())
     assert sum("compiled in" in line for line in capfd.readouterr().err.splitlines()) == 2
@@ -131,13 +136,22 @@ def test_parallel_compile_then_a_reexport_with_another_chunk(
     assert greedy(parallel) == greedy(serial) == hf_greedy(model, PROMPT, 6)
 
     sixteen = export(model, tmp_path / "sixteen", config(prefill_chunk_size=16))
+    err = capfd.readouterr().err
+    assert "read checkpoint" in err and "load checkpoint" not in err, "nothing to trace: no decoder is built"
+    shown = [line for line in err.splitlines() if "KV windows" in line]
+    assert any("token_generation" in line and "(cached)" in line for line in shown), shown
+    assert any("chunked_prefill [1, 4..16]" in line and "(cached)" in line for line in shown), shown
+    assert manifest_keys(parallel) == manifest_keys(sixteen) and len(entries(private_cache)) == 2
+    assert greedy(sixteen) == hf_greedy(model, PROMPT, 6)
+
+    static = export(model, tmp_path / "static", config(prefill_chunk_size=16, chunk_buckets="none"))
     shown = [line for line in capfd.readouterr().err.splitlines() if "KV windows" in line]
     assert any("token_generation" in line and "(cached)" in line for line in shown), shown
-    assert any("chunked_prefill [1, 4..16]" in line and "compiled in" in line for line in shown), shown
-    one, two = manifest_keys(parallel), manifest_keys(sixteen)
+    assert any("chunked_prefill [1, 16]" in line and "compiled in" in line for line in shown), shown
+    one, two = manifest_keys(parallel), manifest_keys(static)
     assert one["token_generation"] == two["token_generation"] and one["chunked_prefill"] != two["chunked_prefill"]
     assert len(entries(private_cache)) == 3
-    assert greedy(sixteen) == hf_greedy(model, PROMPT, 6)
+    assert greedy(static) == hf_greedy(model, PROMPT, 6)
 
 
 _EXPORT = """

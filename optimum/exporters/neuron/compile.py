@@ -29,7 +29,7 @@ from ...neuron.backends import get_backend
 from ...neuron.backends.base import Backend
 from ...neuron.config import NeuronConfig
 from ...neuron.errors import ExportError, UnsupportedModelError
-from ...neuron.graphs import GraphSpec, example_inputs, graph_args, image_row_inputs, symbolic_dims
+from ...neuron.graphs import GraphSpec, compiled_form, example_inputs, graph_args, image_row_inputs, symbolic_dims
 from ...neuron.models.base import StaticDecoder, graph_module
 from ...neuron.models.registry import language_config, served_config, supported_model_types
 from ...neuron.prequantized import check_served_config, stored_weights
@@ -78,10 +78,17 @@ def load_decoder(
     derivation would be traced and compiled as one more graph. At ``tp_degree > 1`` the decoder is rank 0's, bound
     to its slice (every rank runs the same graph)."""
     config = fit_weight_format(config, hf_config)
-    layout = empty_decoder(hf_config, config.derive(tp_degree=1))
-    stored = stored_weights(layout, hf_config, read_checkpoint(model_dir), config)
+    stored = artifact_weights(hf_config, model_dir, config)
     graph = {k: v.to(device or config.device) for k, v in graph_weights(hf_config, config, stored).items()}
     return assemble(hf_config, config, graph), stored
+
+
+def artifact_weights(hf_config: Any, model_dir: Path, config: NeuronConfig) -> dict[str, torch.Tensor]:
+    """The full weight set an artifact of ``model_dir`` under ``config`` stores (on the CPU): all an export needs
+    when every graph comes from the cache."""
+    config = fit_weight_format(config, hf_config)
+    layout = empty_decoder(hf_config, config.derive(tp_degree=1))
+    return stored_weights(layout, hf_config, read_checkpoint(model_dir), config)
 
 
 @dataclass
@@ -109,8 +116,10 @@ class GraphBuilder:
         return get_backend(self.config.backend)
 
     def compile(self, spec: GraphSpec, folder: Path) -> float:
-        """Trace and compile graph ``spec`` into ``folder`` (`graph_file_name`); returns the seconds it took."""
+        """Trace and compile graph ``spec`` (its `compiled_form`) into ``folder`` (`graph_file_name`); returns the
+        seconds it took."""
         start = time.perf_counter()
+        spec = compiled_form(spec)
         inputs = example_inputs(spec)
         if spec.images:
             hidden = language_config(self.hf_config).hidden_size

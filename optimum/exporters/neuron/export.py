@@ -29,7 +29,7 @@ from ...neuron.prequantized import without_quantization_config
 from ...neuron.progress import Line, StepProgress
 from ...neuron.quantization import fit_weight_format
 from .cache import code_fingerprint
-from .compile import GraphBuilder, compile_graphs, hf_config_of, worker_count
+from .compile import GraphBuilder, artifact_weights, compile_graphs, hf_config_of, worker_count
 from .graph_cache import GraphCache, graph_key
 from .parallel import tracing_group
 
@@ -154,7 +154,11 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, graphs: GraphCache 
                 _store(graphs, keys[spec.name], staged[spec.name], {**record, "graph": spec.name}, seconds, folder)
             lines[spec.name].finish(f"compiled in {seconds:.1f}s")
 
-        compile_graphs(jobs, load, worker_count(len(jobs), config, model_dir), model_dir, config, done)
+        if jobs or waiting:
+            compile_graphs(jobs, load, worker_count(len(jobs), config, model_dir), model_dir, config, done)
+        else:  # every graph cached: the weights the artifact stores, without the decoder the graphs were traced from
+            with bar.step("read checkpoint"):
+                loaded["weights"] = artifact_weights(hf_config, model_dir, config)
         for spec in waiting:  # graphs another export was compiling: taken once it is done, compiled if it failed
             assert graphs is not None
             _take_or_compile(graphs, keys[spec.name], spec, loaded["builder"], record, folder, lines[spec.name])

@@ -31,7 +31,7 @@ from ...neuron.backends.base import Backend
 from ...neuron.cache_admin import ENTRY_FILE, GRAPHS
 from ...neuron.cache_dir import cache_lock, cache_root
 from ...neuron.config import NeuronConfig, runtime_versions
-from ...neuron.graphs import GraphSpec, graph_fields
+from ...neuron.graphs import GraphSpec, compiled_form, graph_fields
 from .cache import code_fingerprint
 
 GRAPHS_FOLDER = GRAPHS
@@ -62,12 +62,13 @@ def model_record(hf_config: Any) -> dict[str, Any]:
 
 
 def graph_key(spec: GraphSpec, config: NeuronConfig, hf_config: Any, backend: Backend) -> str:
-    """The cache key of graph ``spec`` of ``config``'s export of the model ``hf_config``: the spec, the config slice
+    """The cache key of graph ``spec`` of ``config``'s export of the model ``hf_config``: the spec as compiled
+    (`graphs.compiled_form`: not the artifact's chunk lengths when they are a symbolic dimension), the config slice
     every graph depends on (`graphs.graph_fields`), the architecture (`model_record`), the code that shapes graphs
     (`cache.code_fingerprint`), the torch / backend versions and the compiler's target
     (`Backend.compiler_fingerprint`)."""
     payload = {
-        "spec": spec_record(spec),
+        "spec": spec_record(compiled_form(spec)),
         "config": graph_fields(config),
         "model": model_record(hf_config),
         "code": code_fingerprint(),
