@@ -53,6 +53,10 @@ _NOT_AN_ARTIFACT = (
 # --- layout and manifest ----------------------------------------------------------------------
 
 
+WINDOW_SPAN = "window_span"
+"""The manifest key of a graph's compiled KV windows ``[lowest, highest]`` (graphs whose window is symbolic)."""
+
+
 def graph_file(name: str, suffix: str) -> str:
     """Relative path of the graph called ``name`` (`GraphSpec.name`) inside an artifact."""
     return f"{GRAPHS_DIR}/{name}{suffix}"
@@ -72,12 +76,21 @@ def weight_signature(weights: dict[str, torch.Tensor]) -> dict[str, list[Any]]:
     return {name: [list(t.shape), str(t.dtype)] for name, t in sorted(weights.items())}
 
 
-def write_manifest(root: Path, files: dict[str, str], weights: dict[str, torch.Tensor], keys: dict[str, str]) -> None:
-    """Record each graph file's hash and its key in the per-graph compile cache (by graph name), and the weight
-    signature the graphs were compiled against."""
+def write_manifest(
+    root: Path,
+    files: dict[str, str],
+    weights: dict[str, torch.Tensor],
+    keys: dict[str, str],
+    spans: dict[str, tuple[int, int]],
+) -> None:
+    """Record each graph file's hash, its key in the per-graph compile cache and, for a graph whose KV window is a
+    symbolic dimension, the windows it was compiled for (``spans``, `graphs.compiled_form`), by graph name; and the
+    weight signature the graphs were compiled against."""
     body = {
         "graphs": {
-            name: {"file": f, "sha256": sha256_of(root / f), "cache_key": keys[name]} for name, f in files.items()
+            name: {"file": f, "sha256": sha256_of(root / f), "cache_key": keys[name]}
+            | ({WINDOW_SPAN: list(spans[name])} if name in spans else {})
+            for name, f in files.items()
         },
         "weights": weight_signature(weights),
     }
@@ -142,6 +155,16 @@ class Artifact:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(self.root)
+
+    def window_span(self, name: str) -> tuple[int, int] | None:
+        """The KV windows graph ``name`` was compiled for when its window is a symbolic dimension (the runtime may
+        call it in any whole number of blocks between them: `graphs.exact_window`); None for a static window or an
+        artifact exported before spans were recorded (its calls keep to its buckets)."""
+        span = self.manifest["graphs"].get(name, {}).get(WINDOW_SPAN)
+        if span is None:
+            return None
+        low, high = span
+        return int(low), int(high)
 
     def graph_path(self, name: str) -> Path:
         """Path of the graph called ``name``, checked against its recorded hash."""

@@ -223,6 +223,25 @@ def select_graph(
     return min(options, key=lambda call: (call.window, call.tokens)) if options else None
 
 
+def window_spans(specs: Iterable[GraphSpec]) -> dict[str, tuple[int, int]]:
+    """The KV windows each graph of ``specs`` whose window is a symbolic dimension is compiled for (its
+    `compiled_form`'s lowest and highest), by name: what an artifact's manifest records."""
+    forms = {spec.name: compiled_form(spec) for spec in specs if spec.symbolic_window}
+    return {name: (form.windows[0], form.windows[-1]) for name, form in forms.items()}
+
+
+def exact_window(call: GraphCall, span: tuple[int, int] | None, reach: int) -> GraphCall:
+    """``call`` in the fewest whole blocks that cover cache positions ``[0, reach)`` when its graph's window is a
+    symbolic dimension compiled over the windows ``span`` (`compiled_form`, recorded in the artifact's manifest), never
+    below the span nor above ``call``'s bucket: keys past the reach are masked, reading them only costs time (a prompt's
+    first chunk attended its whole smallest bucket of masked keys). Unchanged for a static window or an artifact that
+    records no span."""
+    if span is None or not call.spec.symbolic_window:
+        return call
+    block = call.spec.block_size
+    return call._replace(window=min(call.window, max(span[0], -(-reach // block) * block)))
+
+
 def graph_kinds(config: NeuronConfig) -> tuple[GraphKind, ...]:
     """The graphs an artifact built from ``config`` contains: exactly one prefill graph, plus TG."""
     prefill = GraphKind.CHUNKED_PREFILL if config.prefill_chunk_size else GraphKind.CONTEXT_ENCODING

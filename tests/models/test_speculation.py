@@ -38,7 +38,7 @@ def test_inductor_verification_graph_generates_transformers_tokens() -> None:
     reference = hf_greedy(fixture_named(spec_name("llama", "inductor")).model(), ids, 20)
     assert speculate(engine, "s", ids, reference) == reference
     windows = {window for name, window in recorder.windows() if name == "verification"}
-    assert windows == {16, 32}, "the verification graph runs in the smallest window covering each call"
+    assert windows == {16, 20, 24, 28}, "the verification graph runs in the fewest blocks covering each call"
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])

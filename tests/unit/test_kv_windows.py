@@ -1,5 +1,6 @@
 """KV-length buckets: how ``--kv_buckets`` resolves to windows, which graphs an artifact compiles for them on
-each kind of backend, and the rule that picks a call's window (the smallest covering what it reads)."""
+each kind of backend, and the rules that pick a call's window (the smallest covering bucket; on a symbolic window,
+the fewest blocks covering what it reads)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from optimum.neuron.config import NeuronConfig
 from optimum.neuron.errors import IncompatibleConfigError
-from optimum.neuron.graphs import GraphKind, graph_specs, select_graph, symbolic_dims
+from optimum.neuron.graphs import GraphKind, exact_window, graph_specs, select_graph, symbolic_dims, window_spans
 
 
 @pytest.mark.parametrize(
@@ -106,3 +107,26 @@ def test_neuron_config_json_lists_the_windows() -> None:
     body = json.loads(config.to_json(["chunked_prefill", "token_generation"]))
     assert (body["kv_buckets"], body["kv_windows"]) == ("auto", [256, 512, 1024, 2048])
     assert NeuronConfig.from_json(config.to_json([])) == config
+
+
+@pytest.mark.parametrize(("reach", "window"), [(0, 8), (1, 8), (8, 8), (9, 12), (16, 16), (17, 20), (32, 32)])
+def test_a_symbolic_window_reads_the_fewest_blocks_covering_the_call(reach: int, window: int) -> None:
+    """Blocks of 4, windows 16 and 32 compiled as one graph spanning 8 (two blocks) to 32: a call reads what covers its
+    reach, at least the span's lowest, at most its bucket."""
+    config = NeuronConfig(sequence_length=32, prefill_chunk_size=8, kv_buckets="16", kv_block_size=4)
+    specs = graph_specs(config)
+    spans = window_spans(specs)
+    assert set(spans.values()) == {(8, 32)} and set(spans) == {s.name for s in specs}
+    for kind in (GraphKind.TOKEN_GENERATION, GraphKind.CHUNKED_PREFILL):
+        found = select_graph(specs, kind, reach=reach)
+        assert found is not None
+        call = exact_window(found, spans[found.spec.name], reach)
+        assert (call.spec, call.window, call.tokens) == (found.spec, window, found.tokens)
+        assert exact_window(found, None, reach) == found, "an artifact that records no span keeps to its buckets"
+
+
+def test_static_windows_record_no_span_and_keep_their_buckets() -> None:
+    specs = graph_specs(NeuronConfig(sequence_length=32, prefill_chunk_size=8, kv_buckets="16", backend="xla"))
+    assert window_spans(specs) == {}
+    found = select_graph(specs, GraphKind.TOKEN_GENERATION, reach=3)
+    assert found is not None and exact_window(found, (8, 32), 3) == found

@@ -22,7 +22,7 @@ from ...neuron.cache_admin import EXPORTS
 from ...neuron.cache_dir import cache_lock, cache_root
 from ...neuron.config import CONFIG_FILE, NeuronConfig
 from ...neuron.errors import WeightLoadingError
-from ...neuron.graphs import GraphSpec, graph_fields, graph_specs
+from ...neuron.graphs import GraphSpec, graph_fields, graph_specs, window_spans
 from ...neuron.models.image_text import fit_images
 from ...neuron.models.registry import image_text_family
 from ...neuron.prequantized import without_quantization_config
@@ -165,7 +165,8 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, graphs: GraphCache 
         with bar.step("write artifact"):
             weights = loaded["weights"]
             save_file({k: v.cpu() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
-            write_manifest(out, {spec.name: graph_file(spec.name, backend.suffix) for spec in specs}, weights, keys)
+            files = {spec.name: graph_file(spec.name, backend.suffix) for spec in specs}
+            write_manifest(out, files, weights, keys, window_spans(specs))
             _copy_hf_files(model_dir, out, hf_config)
             recorded = head_record(hf_config, config)
             (out / CONFIG_FILE).write_text(config.to_json([spec.name for spec in specs], recorded))

@@ -29,7 +29,16 @@ import torch
 from ..artifact import Artifact, allocate_cache, assemble
 from ..backends import get_backend
 from ..errors import InputError
-from ..graphs import GraphCall, GraphKind, GraphSpec, graph_args, graph_specs, prefill_kind, select_graph
+from ..graphs import (
+    GraphCall,
+    GraphKind,
+    GraphSpec,
+    exact_window,
+    graph_args,
+    graph_specs,
+    prefill_kind,
+    select_graph,
+)
 from ..models.base import StaticDecoder, graph_module
 from ..models.layers.masks import actual_tokens_mask
 from ..models.layers.parallel import lora_rank_part
@@ -90,6 +99,8 @@ class Engine:
         self._sequences: dict[SeqId, Sequence] = {}
         self._decoder: StaticDecoder | None = None
         self.specs = {spec.name: spec for spec in graph_specs(self.config)}
+        self.window_spans = {name: artifact.window_span(name) for name in self.specs}
+        """The KV windows each graph was compiled for when its window is symbolic (`graphs.exact_window`)."""
         """Every graph of the artifact, by name."""
         self.graphs = {
             name: backend.load(artifact.graph_path(name), self.weights, partial(self._module, spec))
@@ -115,12 +126,13 @@ class Engine:
         self, kind: GraphKind, reach: int, *, logits: bool = False, all_rows: bool = False, tokens: int = 0
     ) -> GraphCall:
         """The graph of ``kind`` that runs a call reading cache positions ``[0, reach)`` with ``tokens`` real tokens
-        per row, its KV window and its padded columns (`graphs.select_graph`): ``logits`` for a token-generation graph
-        returning logits, ``all_rows`` for a prefill graph returning every row's logits (`admit` refused the
-        sequences that need a graph the artifact lacks; the full window and chunk cover every call)."""
+        per row, its KV window (`graphs.select_graph`, then `graphs.exact_window`) and its padded columns: ``logits``
+        for a token-generation graph returning logits, ``all_rows`` for a prefill graph returning every row's logits
+        (`admit` refused the sequences that need a graph the artifact lacks; the full window and chunk cover every
+        call)."""
         found = select_graph(self.specs.values(), kind, logits=logits, all_rows=all_rows, reach=reach, tokens=tokens)
         assert found is not None, f"the artifact has no {kind.value} graph with logits={logits} all_rows={all_rows}"
-        return found
+        return exact_window(found, self.window_spans[found.spec.name], reach)
 
     @property
     def prefill_kind(self) -> GraphKind:
