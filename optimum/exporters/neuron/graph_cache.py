@@ -63,7 +63,7 @@ def model_record(hf_config: Any) -> dict[str, Any]:
 
 def graph_key(spec: GraphSpec, config: NeuronConfig, hf_config: Any, backend: Backend) -> str:
     """The cache key of graph ``spec`` of ``config``'s export of the model ``hf_config``: the spec as compiled
-    (`graphs.compiled_form`: not the artifact's chunk lengths when they are a symbolic dimension), the config slice
+    (`graphs.compiled_form`: not the artifact's chunk lengths or KV windows where they are symbolic), the config slice
     every graph depends on (`graphs.graph_fields`), the architecture (`model_record`), the code that shapes graphs
     (`cache.code_fingerprint`), the torch / backend versions and the compiler's target
     (`Backend.compiler_fingerprint`)."""

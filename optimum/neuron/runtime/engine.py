@@ -99,9 +99,9 @@ class Engine:
         self._sequences: dict[SeqId, Sequence] = {}
         self._decoder: StaticDecoder | None = None
         self.specs = {spec.name: spec for spec in graph_specs(self.config)}
+        """Every graph of the artifact, by name."""
         self.window_spans = {name: artifact.window_span(name) for name in self.specs}
         """The KV windows each graph was compiled for when its window is symbolic (`graphs.exact_window`)."""
-        """Every graph of the artifact, by name."""
         self.graphs = {
             name: backend.load(artifact.graph_path(name), self.weights, partial(self._module, spec))
             for name, spec in self.specs.items()
