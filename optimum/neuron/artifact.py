@@ -236,8 +236,8 @@ def empty_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
 
 def graph_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
     """`empty_decoder` as the graphs compute it: its decoder layers' linear layers quantized when
-    ``config.weight_format`` says so, the other linear layers packed when ``config.packed_linears``, token generation
-    attending with the paged CPU kernel when ``config.paged_attention``."""
+    ``config.weight_format`` says so, the other linear layers packed when ``config.packed_linears``, attending with the
+    CPU attention kernels when ``config.paged_attention``."""
     decoder = empty_decoder(hf_config, config)
     quantize_decoder(decoder, config)
     if config.packed_linears:

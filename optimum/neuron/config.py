@@ -159,10 +159,11 @@ class NeuronConfig:
     (for comparison, and every other dtype, backend and device); ``auto``, ``packed`` where it applies, else ``aten``.
     The artifact stores the checkpoint's layout either way (docs/architecture.md, "Linear layers on the CPU")."""
     attention_kernel: str = "auto"
-    """How the token-generation graph attends over the paged KV cache: ``paged``, the toolkit's CPU kernel, which reads
-    each row's window blocks where they lie (fp32, eager and inductor backends on the CPU); ``sdpa``, a gather of the
-    window's blocks then torch's ``scaled_dot_product_attention`` (for comparison, and every other dtype, backend and
-    device; prefill graphs always use it); ``auto``, ``paged`` where it applies, else ``sdpa``."""
+    """How the graphs attend over the paged KV cache: ``paged``, the toolkit's CPU kernels, which read each row's window
+    blocks where they lie (token generation: `kernels.attention.paged_attention`; prefill chunks and verification rows
+    over a float cache: `kernels.attention.chunk_attention`; fp32, eager and inductor backends on the CPU); ``sdpa``, a
+    gather of the window's blocks then torch's ``scaled_dot_product_attention`` (for comparison, and every other dtype,
+    backend and device); ``auto``, ``paged`` where it applies, else ``sdpa``."""
     weight_format: str = "float"
     """Weights of the decoder layers' linear projections: ``float`` (``auto_cast_type``), ``int8`` (per output channel,
     symmetric) or ``int4`` (per group of ``weight_group_size`` input columns, symmetric), quantized at export and stored
@@ -295,7 +296,7 @@ class NeuronConfig:
 
     @property
     def paged_attention(self) -> bool:
-        """True when the token-generation graph attends with the paged CPU kernel (`attention_kernel` resolved)."""
+        """True when the graphs attend with the CPU kernels (`attention_kernel` resolved)."""
         if self.attention_kernel == "auto":
             return _packed_kernel_applies(self)
         return self.attention_kernel == "paged"

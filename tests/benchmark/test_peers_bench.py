@@ -80,6 +80,7 @@ def test_our_measurements_fill_every_our_cell(tiny_run: dict[str, Any]) -> None:
     assert all(r["tokens"] == TINY.workload_prompts * TINY.workload_new_tokens for r in generate)
     probe = tiny_run["probes"][0]
     assert probe["read_bw_sum"] > 0 and probe["read_bw_gemv"] > 0 and probe["peak_flops"] > 0
+    assert set(probe["gemm_flops"]) == {"torch", "packed"} and probe["peak_flops"] == max(probe["gemm_flops"].values())
     assert probe["weight_bytes"] == 4 * probe["shape"]["params"]
 
 

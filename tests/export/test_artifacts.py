@@ -117,6 +117,19 @@ def test_malformed_manifest(tmp_path: Path, text: str) -> None:
     expect_artifact_error(root, "manifest")
 
 
+def test_an_artifact_without_window_spans_keeps_to_its_buckets(tmp_path: Path) -> None:
+    """A manifest without ``window_span`` (an artifact exported before spans were recorded): the engine calls every
+    graph in its buckets, and generates the tokens of the same artifact reading exact windows."""
+    root = artifact_copy(EAGER, tmp_path)
+    edit_json(root / "graphs/manifest.json", lambda m: [e.pop("window_span", None) for e in m["graphs"].values()])
+    older, current = (NeuronModelForCausalLM.from_pretrained(p) for p in (root, export_fixture(EAGER)))
+    assert set(older.engine.window_spans.values()) == {None}
+    assert any(span is not None for span in current.engine.window_spans.values())
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]])
+    tokens = [m.generate(prompt, max_new_tokens=12, eos_token_id=[]) for m in (older, current)]
+    assert torch.equal(tokens[0], tokens[1])
+
+
 def test_manifest_entry_without_hash(tmp_path: Path) -> None:
     root = artifact_copy(EAGER, tmp_path)
     edit_json(root / "graphs/manifest.json", lambda m: m["graphs"]["token_generation"].pop("sha256"))

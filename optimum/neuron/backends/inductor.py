@@ -48,6 +48,7 @@ class InductorBackend(Backend):
         return f"cpu:{pick_vec_isa()}:threads={torch.get_num_threads()}"
 
     def compile(self, module: nn.Module, args: tuple, path: Path, dynamic: dict[str, Any] | None = None) -> None:
+        _declare_toolkit_fallbacks()
         with torch.no_grad():
             shapes = _dynamic_shapes(module, args, dynamic) if dynamic else None
             program = torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
@@ -81,6 +82,30 @@ class _BoundGraph:
     def __call__(self, *args: object) -> torch.Tensor:
         with torch.inference_mode():
             return self._package(*args)  # type: ignore[operator]
+
+
+def _declare_toolkit_fallbacks() -> None:
+    """Register inductor's fallback of every toolkit operator (`kernels`) before any graph is lowered, as inductor
+    itself does the first time it meets one (the flexible layout their tag asks for). A fallback's inputs are realized
+    where they are produced, but only once the fallback exists: without this, the first graph a process compiled fused
+    the producers of an operator's inputs otherwise than every later graph, so the generated code depended on what
+    the process had compiled before (tests/export/test_graph_cache.py compares a parallel export's code with one
+    process's). The toolkit's one touch of inductor's lowering internals."""
+    from torch._inductor.lowering import lowerings, make_fallback
+
+    from ..kernels import attention, packed
+
+    for name in (
+        packed.OPERATOR,
+        packed.QOPERATOR,
+        attention.OPERATOR,
+        attention.INT8_OPERATOR,
+        attention.CHUNK_OPERATOR,
+    ):
+        namespace, operator = name.split("::")
+        overload = getattr(getattr(torch.ops, namespace), operator).default
+        if overload not in lowerings:
+            make_fallback(overload, layout_constraint=None)
 
 
 def _dynamic_shapes(module: nn.Module, args: tuple, dynamic: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,12 @@ layout's: `benchmark/paged.py`). Which keys a row attends is the caller's mask (
 and V with one float32 scale per key and KV head, each key and value dequantized as it is read (``float(q) * scale``
 into L1-resident rows shared by the group's query heads), so a decode step streams a quarter of the fp32 cache's
 bytes (plus the scales), and the result is bitwise the float kernel's on the dequantized cache.
+
+``optimum_neuron::chunk_attention`` is the attention of a prefill chunk (or of a verification call's rows) over its
+window, read from the paged cache in place, and over the chunk's own keys (``csrc/chunk_attention.cpp``): both products
+run through the panel GEMM of the linear layers, the queries of a 64-token tile sharing each key and value they read,
+and a tile reads no chunk key past its last query (causality). Torch's CPU flash attention, which it replaces there,
+spent a third of a 1,024-token prefill of SmolLM2 (`benchmark/prefill.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch
 
 OPERATOR = "optimum_neuron::paged_attention"
 INT8_OPERATOR = "optimum_neuron::paged_attention_int8"
+CHUNK_OPERATOR = "optimum_neuron::chunk_attention"
 
 torch.library.define(
     OPERATOR,
@@ -84,3 +91,39 @@ def paged_attention_int8(
     return torch.ops.optimum_neuron.paged_attention_int8(
         q, k_cache, v_cache, k_scale, v_scale, block_table, mask, scale
     )
+
+
+torch.library.define(
+    CHUNK_OPERATOR,
+    "(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor? block_table, Tensor mask, float scale) "
+    "-> Tensor",
+    tags=(torch.Tag.flexible_layout,),
+)
+"""``q [B, Hq, C, D]``, the chunk's ``k``, ``v [B, Hk, C, D]``, caches ``[blocks, Hk, block_size, D]``, ``block_table
+[B, nb]`` int64 or None (no earlier cache read), ``mask [B, 1, C, nb * block_size + C]`` bool over ``[window | chunk]``
+-> ``[B, Hq, C, D]``."""
+
+
+@torch.library.register_fake(CHUNK_OPERATOR)
+def _chunk_output_shape(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_table: torch.Tensor | None, mask: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    return q.new_empty(q.shape)
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``softmax(q K^T * scale) V`` of each chunk query over the keys ``mask`` leaves in ``[its window | the chunk]``
+    (grouped-query attention as `paged_attention`), the window read through ``block_table`` from the caches. A query
+    never attends a chunk key after its own (causality: the mask rule of `models.layers.masks.chunk_mask`); a query
+    that attends no key gets zeros."""
+    return torch.ops.optimum_neuron.chunk_attention(q, k, v, k_cache, v_cache, block_table, mask, scale)

@@ -14,9 +14,9 @@ from ..cache_dir import cache_lock, cache_root
 from ..errors import BackendUnavailableError
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "packed_linear.cpp", CSRC / "paged_attention.cpp")
+SOURCES = (CSRC / "packed_linear.cpp", CSRC / "paged_attention.cpp", CSRC / "chunk_attention.cpp")
 """Every C++ source of the library: all are compiled together and all enter the build key."""
-HEADERS = (CSRC / "isa.h",)
+HEADERS = (CSRC / "isa.h", CSRC / "panel_tiles.h", CSRC / "vec_exp.h")
 """The headers the sources include: they enter the build key too."""
 _FLAGS = ("-O3", "-fopenmp")
 """``-fopenmp``: ``at::parallel_for`` is inlined from ATen's OpenMP header into the kernels, and without the flag its

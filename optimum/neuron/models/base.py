@@ -100,7 +100,8 @@ class StaticDecoder(nn.Module):
         self.windows = sorted({w for w in layer_windows(family, hf_config) if w is not None})
         self.softcap = family.logit_softcap(hf_config)
         self.paged_attention = False
-        """Token generation attends with the paged CPU kernel (set for the graphs: `artifact.graph_decoder`)."""
+        """Attend with the CPU kernels: token generation with the paged one, prefill chunks and verification rows
+        with the chunk one (set for the graphs: `artifact.graph_decoder`)."""
         self.adapter_rows: AdapterRows | None = None
         """Multi-LoRA: the rows' adapter slots its LoRA projections read (`layers.lora.add_lora`); None without."""
         self.lm_head: nn.Linear | None = None
@@ -159,7 +160,7 @@ class StaticDecoder(nn.Module):
             with selected_adapters(self.adapter_rows, adapter_ids):
                 h = self._hidden(input_ids, position_ids, kv_cache, ctx)
             return self._logits(h[:, -1])
-        ctx = ChunkContext.build(position_ids, slot_mapping, block_table, block, self.windows)
+        ctx = ChunkContext.build(position_ids, slot_mapping, block_table, block, self.windows, self.paged_attention)
         with selected_adapters(self.adapter_rows, adapter_ids):
             h = self._hidden(input_ids, position_ids, kv_cache, ctx, image_rows)
         if spec.kind is GraphKind.VERIFICATION:  # every column of every row; the runtime keeps the real ones

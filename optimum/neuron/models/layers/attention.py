@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.attention import paged_attention, paged_attention_int8
+from ...kernels.attention import chunk_attention, paged_attention, paged_attention_int8
 from .kv_cache import read_kv, readable, stored_kv, write_stored
 from .masks import chunk_mask, chunk_window_mask, decode_mask, decode_window_mask
 from .rope import apply_rotary
@@ -138,6 +138,9 @@ class ChunkContext:
     block_size: int
     mask: torch.Tensor  # [B, 1, C, W + C] or [B, 1, C, C]
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask
+    kernel: bool = False
+    """Attend with the chunk CPU kernel (`kernels.attention.chunk_attention`), reading the window's blocks in place,
+    instead of a gather and ``scaled_dot_product_attention`` (a float cache; an int8 one keeps the gather)."""
 
     @classmethod
     def build(
@@ -147,10 +150,11 @@ class ChunkContext:
         table: torch.Tensor | None,
         block_size: int,
         windows: Iterable[int] = (),
+        kernel: bool = False,
     ) -> ChunkContext:
         keys = None if table is None else window_keys(table, block_size)
         windowed = {w: chunk_window_mask(position_ids, keys, w) for w in windows}
-        return cls(slots, table, block_size, chunk_mask(position_ids, keys), windowed)
+        return cls(slots, table, block_size, chunk_mask(position_ids, keys), windowed, kernel)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         """The mask of a layer with sliding window ``window`` (``None``: full attention)."""
@@ -168,6 +172,15 @@ class ChunkContext:
         """Attend over the sequence's KV window and the chunk's own K/V (within ``window`` positions of each query for
         a sliding-window layer), then store the chunk's K/V."""
         stored = stored_kv(caches, k, v)
+        if self.kernel and len(caches) == 2:  # a float cache: the chunk's K/V are stored as they are
+            # Written first, as token generation does: the kernel then reads the cache after the write (a data
+            # dependency), so inductor updates the cache in place. Read before it, the write was compiled in place or
+            # into a full copy of the layer's cache depending on what the compiling process had compiled before.
+            # The keys the chunk wrote inside its window are masked for every query (they are not before the
+            # chunk's first position), so they weigh exactly 0.
+            write_stored(caches, self.slots, stored)
+            factor = q.shape[-1] ** -0.5 if scale is None else scale
+            return chunk_attention(q, k, v, caches[0], caches[1], self.table, self.mask_for(window), factor)
         keys, values = readable(stored, k.dtype)
         if self.table is not None:
             earlier_keys, earlier_values = read_kv(caches, self.table, k.dtype)

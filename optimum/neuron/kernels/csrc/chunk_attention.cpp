@@ -1,0 +1,232 @@
+// optimum_neuron::chunk_attention: the attention of a prefill chunk (or of each row's tokens of a verification call)
+// over its sequence's KV window, read from the block-paged cache where it lies, and over the chunk's own keys, fp32
+// on the CPU.
+//
+// Inputs. q [B, Hq, C, D]; k, v [B, Hk, C, D]: the chunk's own keys and values (not yet in the cache); k_cache and
+// v_cache [blocks, Hk, block_size, D], contiguous; block_table [B, nb] int64 (absent: no earlier cache is read, the
+// context-encoding graph); mask [B, 1, C, L] bool, L = nb * block_size + C, keys ordered [window | chunk]: the caller's
+// mask rule (causality, actual tokens, sliding window). One rule the kernel relies on: query t never attends a chunk
+// key after its own (causality), so a tile of queries ending at t1 reads keys [0, W + t1) only. Output [B, Hq, C, D].
+//
+// Schedule. One task per (row, query head, tile of up to 64 query tokens), split over threads. A task
+//   1. packs its queries, times the scale, as 16-query panels [D, 16] (`panel_tiles.h`);
+//   2. computes the scores S^T [keys, queries] with the panel GEMM: the rows are the keys, each window block's read in
+//      place from the cache, then the chunk's own;
+//   3. takes each query's softmax over the keys it attends (two passes over S^T: the maximum, then exp(s - max) and the
+//      total; keys the mask leaves out weigh exactly 0), writing the weights as panels [keys, 16];
+//   4. computes O^T [D, queries] = V^T [D, keys] times the weights with the same GEMM (V^T: the row's window and chunk
+//      values of its KV head, transposed once per call and shared by the head's tasks), and divides by the totals.
+// Both products run at the panel GEMM's rate, where torch's CPU flash attention runs its blocks through a generic
+// sgemm and a float mask; the queries of a tile share every key and value they read.
+//
+// Order of the sums. A query's scores, maximum, total and output sums each run over keys (or head dimensions) in one
+// fixed order, and keys past the tile's causal end or left out by the mask add exact zeros: a query's result depends
+// on its own mask row only, not on the tile, the chunk size or the other queries (DESIGN.md invariant 4). A query
+// whose mask attends no key gets zeros.
+//
+// Instruction sets: the panel GEMM's paths (AVX-512, AVX2 + FMA, portable); the softmax is AVX2 on both vector
+// paths, portable C++ otherwise (`isa.h`).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "panel_tiles.h"
+#include "vec_exp.h"
+
+namespace optimum_neuron {
+namespace {
+
+constexpr int64_t kTile = 4 * kPanel;  // query tokens per task: the widest register tile of the GEMM
+
+// What every task of one call reads.
+struct Call {
+  const float* q;      // [B, Hq, C, D]
+  const float* k;      // [B, Hk, C, D]
+  const float* kc;     // k_cache [blocks, Hk, bs, D]
+  const int64_t* table;  // [B, nb] or null
+  const uint8_t* mt;   // the mask transposed, [B, L, Cp]: mt[b, j, t] = mask[b, 0, t, j], zero for t >= C
+  const float* vt;     // V^T [B, Hk, D, L]
+  float* out;          // [B, Hq, C, D]
+  int64_t Hq, Hk, C, Cp, D, nb, bs, L;
+  float scale;
+};
+
+// Softmax weights of one tile: for each of the `width` (a multiple of 16) query columns of s [keys, kTile] (row stride
+// kTile), the weights over keys [0, keys) where the mask row mt (stride Cp) attends, written as panels w [width / 16,
+// keys, 16]; totals in `total` [width].
+void softmax_portable(const float* s, const uint8_t* mt, int64_t Cp, int64_t keys, int64_t width, float* w,
+                      float* total) {
+  for (int64_t c = 0; c < width; ++c) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < keys; ++j)
+      if (mt[j * Cp + c]) top = std::max(top, s[j * kTile + c]);
+    float sum = 0.0f;
+    float* panel = w + (c / kPanel) * keys * kPanel + c % kPanel;
+    for (int64_t j = 0; j < keys; ++j) {
+      const float e = mt[j * Cp + c] ? std::exp(s[j * kTile + c] - top) : 0.0f;
+      sum += e;
+      panel[j * kPanel] = e;
+    }
+    total[c] = sum;
+  }
+}
+
+#ifdef OPTIMUM_NEURON_X86
+// The same in 8-column vectors: a key's mask bytes become a lane mask; masked lanes take -inf in the maximum and
+// weigh exactly 0 (the exp's result cleared by the lane mask).
+__attribute__((target("avx2,fma"))) void softmax_avx2(const float* s, const uint8_t* mt, int64_t Cp, int64_t keys,
+                                                      int64_t width, float* w, float* total) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t c = 0; c < width; c += 8) {
+    __m256 top = ninf;
+    for (int64_t j = 0; j < keys; ++j) {
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mt + j * Cp + c)));
+      const __m256 on = _mm256_castsi256_ps(_mm256_cmpgt_epi32(bytes, _mm256_setzero_si256()));
+      top = _mm256_max_ps(top, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + j * kTile + c), on));
+    }
+    // a column that attends nothing: top stays -inf; subtract 0 instead (its weights are cleared anyway)
+    const __m256 base = _mm256_blendv_ps(top, _mm256_setzero_ps(), _mm256_cmp_ps(top, ninf, _CMP_EQ_OQ));
+    __m256 sum = _mm256_setzero_ps();
+    float* panel = w + (c / kPanel) * keys * kPanel + c % kPanel;
+    for (int64_t j = 0; j < keys; ++j) {
+      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mt + j * Cp + c)));
+      const __m256 on = _mm256_castsi256_ps(_mm256_cmpgt_epi32(bytes, _mm256_setzero_si256()));
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j * kTile + c), base)), on);
+      sum = _mm256_add_ps(sum, e);
+      _mm256_storeu_ps(panel + j * kPanel, e);
+    }
+    _mm256_storeu_ps(total + c, sum);
+  }
+}
+#endif
+
+void softmax_tile(const float* s, const uint8_t* mt, int64_t Cp, int64_t keys, int64_t width, float* w,
+                  float* total) {
+#ifdef OPTIMUM_NEURON_X86
+  if (isa() != Isa::kPortable) return softmax_avx2(s, mt, Cp, keys, width, w, total);
+#endif
+  softmax_portable(s, mt, Cp, keys, width, w, total);
+}
+
+// Scratch of one thread, sized for the call's largest tile.
+struct Scratch {
+  std::vector<float> q, s, w, o, partial;
+  float total[kTile];
+  explicit Scratch(const Call& c)
+      : q(c.D * kTile), s(c.L * kTile), w(c.L * kTile), o(c.D * kTile),
+        partial(std::max({c.bs, c.C, c.D}) * kTile) {}
+};
+
+void run_task(const Call& c, int64_t task, Scratch& z) {
+  const int64_t tiles = (c.C + kTile - 1) / kTile;
+  const int64_t b = task / (c.Hq * tiles), h = (task / tiles) % c.Hq, t0 = (task % tiles) * kTile;
+  const int64_t cols = std::min(kTile, c.C - t0), panels = (cols + kPanel - 1) / kPanel, width = panels * kPanel;
+  const int64_t head = h / (c.Hq / c.Hk), W = c.nb * c.bs, keys = W + t0 + cols;
+  // 1. queries times the scale, as panels [D, 16] (zero past the chunk's end)
+  const float* q = c.q + ((b * c.Hq + h) * c.C + t0) * c.D;
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t d = 0; d < c.D; ++d)
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const int64_t col = p * kPanel + j;
+        z.q[(p * c.D + d) * kPanel + j] = col < cols ? q[col * c.D + d] * c.scale : 0.0f;
+      }
+  // 2. scores S^T [keys, width]: each window block in place, then the chunk's keys up to the tile's end
+  for (int64_t i = 0; i < c.nb; ++i) {
+    const float* rows = c.kc + ((c.table[b * c.nb + i] * c.Hk + head) * c.bs) * c.D;
+    gemm_serial(rows, c.bs, c.D, c.D, z.q.data(), panels, c.D * kPanel, z.s.data() + i * c.bs * kTile, kTile,
+                z.partial.data());
+  }
+  gemm_serial(c.k + ((b * c.Hk + head) * c.C) * c.D, t0 + cols, c.D, c.D, z.q.data(), panels, c.D * kPanel,
+              z.s.data() + W * kTile, kTile, z.partial.data());
+  // 3. softmax weights as panels [keys, 16]
+  softmax_tile(z.s.data(), c.mt + b * c.L * c.Cp + t0, c.Cp, keys, width, z.w.data(), z.total);
+  // 4. O^T [D, width] = V^T [D, keys] times the weights; out = O / total
+  gemm_serial(c.vt + (b * c.Hk + head) * c.D * c.L, c.D, keys, c.L, z.w.data(), panels, keys * kPanel, z.o.data(),
+              kTile, z.partial.data());
+  float* out = c.out + ((b * c.Hq + h) * c.C + t0) * c.D;
+  for (int64_t col = 0; col < cols; ++col) {
+    const float total = z.total[col];
+    for (int64_t d = 0; d < c.D; ++d) out[col * c.D + d] = total > 0.0f ? z.o[d * kTile + col] / total : 0.0f;
+  }
+}
+
+at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const c10::optional<at::Tensor>& block_table,
+                           const at::Tensor& mask, double scale) {
+  const bool windowed = block_table.has_value() && block_table->defined();
+  for (const at::Tensor* t : {&q, &k, &v, &k_cache, &v_cache}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
+                "chunk_attention computes float32 on the CPU; got ", t->scalar_type(), " on ", t->device());
+  }
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "chunk_attention: q [B, Hq, C, D] and k, v [B, ",
+              "Hk, C, D]; got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  const int64_t B = q.size(0), Hq = q.size(1), C = q.size(2), D = q.size(3), Hk = k.size(1);
+  TORCH_CHECK(k.size(0) == B && k.size(2) == C && k.size(3) == D && Hk > 0 && Hq % Hk == 0,
+              "chunk_attention: k [B, Hk, C, D] with Hk dividing Hq; got q ", q.sizes(), ", k ", k.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(1) == Hk &&
+                  k_cache.size(3) == D && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "chunk_attention: contiguous caches [blocks, ", Hk, ", block_size, ", D, "]; got ", k_cache.sizes());
+  const int64_t nb = windowed ? block_table->size(1) : 0, bs = k_cache.size(2), L = nb * bs + C;
+  if (windowed) {
+    TORCH_CHECK(block_table->scalar_type() == at::kLong && block_table->dim() == 2 && block_table->size(0) == B,
+                "chunk_attention: block_table int64 [B, nb]; got ", block_table->scalar_type(), " ",
+                block_table->sizes());
+  }
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) == B && mask.size(1) == 1 &&
+                  mask.size(2) == C && mask.size(3) == L,
+              "chunk_attention: mask bool [", B, ", 1, ", C, ", ", L, "]; got ", mask.scalar_type(), " ",
+              mask.sizes());
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const at::Tensor table = windowed ? block_table->contiguous() : at::Tensor();
+  const int64_t blocks = k_cache.size(0);
+  if (windowed && table.numel() > 0) {
+    const int64_t low = table.min().item<int64_t>(), high = table.max().item<int64_t>();
+    TORCH_CHECK(low >= 0 && high < blocks, "chunk_attention: block_table names blocks [", low, ", ", high,
+                "] of a cache of ", blocks);
+  }
+  const int64_t Cp = (C + kTile - 1) / kTile * kTile;
+  // the mask transposed to [B, L, Cp] bytes (queries past C: zero), and V^T [B, Hk, D, L]
+  at::Tensor mt = at::zeros({B, L, Cp}, at::kByte);
+  mt.narrow(2, 0, C).copy_(mask.select(1, 0).transpose(1, 2));
+  at::Tensor vt = at::empty({B, Hk, D, L}, q.options());
+  {
+    const float* vcache = v_cache.data_ptr<float>();
+    const float* vchunk = vc.data_ptr<float>();
+    const int64_t* tp = windowed ? table.data_ptr<int64_t>() : nullptr;
+    float* vtp = vt.data_ptr<float>();
+    at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / Hk, head = bh % Hk;
+        float* dst = vtp + bh * D * L;
+        for (int64_t i = 0; i < nb; ++i) {
+          const float* rows = vcache + ((tp[b * nb + i] * Hk + head) * bs) * D;
+          for (int64_t d = 0; d < D; ++d)
+            for (int64_t r = 0; r < bs; ++r) dst[d * L + i * bs + r] = rows[r * D + d];
+        }
+        const float* rows = vchunk + bh * C * D;
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t t = 0; t < C; ++t) dst[d * L + nb * bs + t] = rows[t * D + d];
+      }
+    });
+  }
+  at::Tensor out = at::empty({B, Hq, C, D}, q.options());
+  if (B == 0 || C == 0 || Hq == 0) return out;
+  const Call call{qc.data_ptr<float>(), kc.data_ptr<float>(), k_cache.data_ptr<float>(),
+                  windowed ? table.data_ptr<int64_t>() : nullptr, mt.data_ptr<uint8_t>(), vt.data_ptr<float>(),
+                  out.data_ptr<float>(), Hq, Hk, C, Cp, D, nb, bs, L, static_cast<float>(scale)};
+  const int64_t tasks = B * Hq * ((C + kTile - 1) / kTile);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(call);
+    for (int64_t task = begin; task < end; ++task) run_task(call, task, scratch);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace optimum_neuron
+
+TORCH_LIBRARY_IMPL(optimum_neuron, CPU, m) { m.impl("chunk_attention", &optimum_neuron::chunk_attention); }

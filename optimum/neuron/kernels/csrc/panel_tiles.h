@@ -1,0 +1,347 @@
+// The register tiles of the toolkit's panel GEMM, shared by packed_linear.cpp (the linear layers) and
+// chunk_attention.cpp (the two products of a prefill chunk's attention): y [M, 16 P] = x [M, K] times P panels of
+// [K, 16] (`Tile`, `tile_for`), on the AVX-512, AVX2 + FMA and portable paths, and `gemm_serial`, the whole product on
+// one thread. Every output element is one fp32 accumulator taking x[m, k] * w[k, n] for k = 0, 1, ... in order,
+// whatever the blocking (packed_linear.cpp states the rule).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "isa.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define OPTIMUM_NEURON_X86 1
+#endif
+
+namespace optimum_neuron {
+namespace {
+constexpr int64_t kPanel = 16;     // output columns per panel (two 8-float vectors)
+constexpr int64_t kBlockK = 64;    // K steps per block
+constexpr int64_t kMaxRows = 6;    // rows per tile
+constexpr int64_t kMaxPanels = 4;  // panels per tile
+constexpr int64_t kLine = 64;      // bytes per cache line (one prefetch)
+
+// What a panel holds: fp32 weights, or int8 / int4 weights with fp32 scales (packed_qlinear).
+enum class Kind { kF32, kI8, kI4 };
+
+// Bytes of one panel row (16 columns at one k) per kind: 16 floats, 16 int8, 16 nibbles.
+template <Kind W>
+constexpr int64_t row_bytes() {
+  return W == Kind::kF32 ? 64 : W == Kind::kI8 ? 16 : 8;
+}
+
+// One tile's work: `rows` rows of x times `panels` panels over one K block.
+struct Tile {
+  const float* x;       // the first row, at the block's first k
+  int64_t ldx;          // x's row stride
+  const char* w;        // the first panel, at the block's first k
+  int64_t ldw;          // panel stride in bytes (K * row_bytes)
+  int64_t steps;        // k steps in this block
+  const float* in;      // partial sums to continue (null: start from zero), row stride ldin
+  int64_t ldin;
+  float* out;           // where the sums go (the partial-sum buffer, or y on the last block), row stride ldout
+  int64_t ldout;
+  const float* bias;    // added on the last block (null: none)
+  bool prefetch;        // prefetch the next block of the panels
+  // Quantized kinds only: scales[g, c] of the first panel's first column (row stride lds), the block's first k
+  // (absolute) and the group size: k takes the scales of group k / group.
+  const float* scales;
+  int64_t lds;
+  int64_t k0;
+  int64_t group;
+};
+
+// The k steps [k, end) of a block that share one scale group, and that group's scale row (fp32: the whole block).
+template <Kind W>
+inline int64_t group_end(const Tile& t, int64_t k, const float** srow) {
+  if (W == Kind::kF32) {
+    *srow = nullptr;
+    return t.steps;
+  }
+  const int64_t g = (t.k0 + k) / t.group;
+  *srow = t.scales + g * t.lds;
+  return std::min(t.steps, (g + 1) * t.group - t.k0);
+}
+
+// Prefetch the next block at this k? Once per cache line of a panel's stream (a row is 64, 16 or 8 bytes).
+template <Kind W>
+inline bool prefetch_step(int64_t k) {
+  constexpr int64_t every = kLine / row_bytes<W>();
+  return (k & (every - 1)) == 0;
+}
+
+// The portable loader: column j of a panel row, dequantized in fp32 as one multiply (one rounding).
+template <Kind W>
+inline float load_scalar(const char* at, int64_t j, const float* s) {
+  if (W == Kind::kF32) return reinterpret_cast<const float*>(at)[j];
+  if (W == Kind::kI8) return static_cast<float>(reinterpret_cast<const int8_t*>(at)[j]) * s[j];
+  const uint8_t byte = reinterpret_cast<const uint8_t*>(at)[j >> 1];
+  const int nibble = (j & 1) ? (byte >> 4) : (byte & 0x0F);
+  return static_cast<float>((nibble ^ 8) - 8) * s[j];
+}
+
+#ifdef OPTIMUM_NEURON_X86
+// int4 on the vector paths: a little-endian dword of a panel row holds 8 columns, column c in bits 4c..4c+3. Each
+// lane gets the dword of its column, shifts its nibble to the top (left by 28 - 4c) and back with the sign (right
+// arithmetic by 28): the same integer as the portable (n ^ 8) - 8, without byte shuffles.
+inline int32_t dword_at(const char* at) {
+  int32_t v;
+  std::memcpy(&v, at, sizeof v);
+  return v;
+}
+
+// The AVX2 loader: one panel row as two 8-float vectors.
+template <Kind W>
+__attribute__((target("avx2,fma"))) inline void load_avx2(const char* at, const float* s, __m256* lo, __m256* hi) {
+  if (W == Kind::kF32) {
+    *lo = _mm256_loadu_ps(reinterpret_cast<const float*>(at));
+    *hi = _mm256_loadu_ps(reinterpret_cast<const float*>(at) + 8);
+    return;
+  }
+  __m256i a, b;
+  if (W == Kind::kI8) {
+    a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)));
+    b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8)));
+  } else {
+    const __m256i up = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+    a = _mm256_srai_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(dword_at(at)), up), 28);
+    b = _mm256_srai_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(dword_at(at + 4)), up), 28);
+  }
+  *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_loadu_ps(s));
+  *hi = _mm256_mul_ps(_mm256_cvtepi32_ps(b), _mm256_loadu_ps(s + 8));
+}
+
+// The AVX-512 loader: one panel row as one 16-float vector.
+template <Kind W>
+__attribute__((target("avx512f"))) inline __m512 load_avx512(const char* at, const float* s) {
+  if (W == Kind::kF32) return _mm512_loadu_ps(reinterpret_cast<const float*>(at));
+  __m512i q;
+  if (W == Kind::kI8) {
+    q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+  } else {
+    const __m512i dwords = _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)));
+    const __m512i which = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i up = _mm512_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+    q = _mm512_srai_epi32(_mm512_sllv_epi32(_mm512_permutexvar_epi32(which, dwords), up), 28);
+  }
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_loadu_ps(s));
+}
+
+template <Kind W, int R, int P>
+__attribute__((target("avx2,fma"))) void tile_fma(const Tile& t) {
+  constexpr int A = 2 * P;
+  __m256 acc[R * A];
+  if (t.in == nullptr) {
+#pragma GCC unroll 32
+    for (int i = 0; i < R * A; ++i) acc[i] = _mm256_setzero_ps();
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < A; ++j) acc[r * A + j] = _mm256_loadu_ps(t.in + r * t.ldin + 8 * j);
+  }
+  const float* x = t.x;
+  const char* w = t.w;
+  const int64_t steps = t.steps, ldx = t.ldx, ldw = t.ldw;
+  const bool prefetch = t.prefetch;
+  for (int64_t k = 0; k < steps;) {
+    const float* s;
+    const int64_t end = group_end<W>(t, k, &s);
+    for (; k < end; ++k) {
+      __m256 v[A];
+      const bool fetch = prefetch && prefetch_step<W>(k);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        const char* at = w + p * ldw + k * row_bytes<W>();
+        if (fetch) _mm_prefetch(at + kBlockK * row_bytes<W>(), _MM_HINT_T0);
+        load_avx2<W>(at, s + kPanel * p, &v[2 * p], &v[2 * p + 1]);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < A; ++j) acc[r * A + j] = _mm256_fmadd_ps(b, v[j], acc[r * A + j]);
+      }
+    }
+  }
+  if (t.bias != nullptr) {
+#pragma GCC unroll 8
+    for (int j = 0; j < A; ++j) {
+      const __m256 b = _mm256_loadu_ps(t.bias + 8 * j);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r * A + j] = _mm256_add_ps(acc[r * A + j], b);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < A; ++j) _mm256_storeu_ps(t.out + r * t.ldout + 8 * j, acc[r * A + j]);
+}
+
+// The same tile with one 16-float register per panel row (the same fused multiply-adds, in the same order).
+template <Kind W, int R, int P>
+__attribute__((target("avx512f"))) void tile_avx512(const Tile& t) {
+  __m512 acc[R * P];
+  if (t.in == nullptr) {
+#pragma GCC unroll 32
+    for (int i = 0; i < R * P; ++i) acc[i] = _mm512_setzero_ps();
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) acc[r * P + p] = _mm512_loadu_ps(t.in + r * t.ldin + kPanel * p);
+  }
+  const float* x = t.x;
+  const char* w = t.w;
+  const int64_t steps = t.steps, ldx = t.ldx, ldw = t.ldw;
+  const bool prefetch = t.prefetch;
+  for (int64_t k = 0; k < steps;) {
+    const float* s;
+    const int64_t end = group_end<W>(t, k, &s);
+    for (; k < end; ++k) {
+      __m512 v[P];
+      const bool fetch = prefetch && prefetch_step<W>(k);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        const char* at = w + p * ldw + k * row_bytes<W>();
+        if (fetch) _mm_prefetch(at + kBlockK * row_bytes<W>(), _MM_HINT_T0);
+        v[p] = load_avx512<W>(at, s + kPanel * p);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+        for (int p = 0; p < P; ++p) acc[r * P + p] = _mm512_fmadd_ps(b, v[p], acc[r * P + p]);
+      }
+    }
+  }
+  if (t.bias != nullptr) {
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      const __m512 b = _mm512_loadu_ps(t.bias + kPanel * p);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r * P + p] = _mm512_add_ps(acc[r * P + p], b);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(t.out + r * t.ldout + kPanel * p, acc[r * P + p]);
+}
+#endif
+
+// The same tile in portable C++ (no fused multiply-add: the machine's own rounding, same order).
+template <Kind W, int R, int P>
+void tile_portable(const Tile& t) {
+  constexpr int C = P * kPanel;
+  float acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = t.in == nullptr ? 0.0f : t.in[r * t.ldin + c];
+  for (int64_t k = 0; k < t.steps;) {
+    const float* s;
+    const int64_t end = group_end<W>(t, k, &s);
+    for (; k < end; ++k) {
+      float v[C];
+      for (int p = 0; p < P; ++p)
+        for (int j = 0; j < kPanel; ++j)
+          v[p * kPanel + j] = load_scalar<W>(t.w + p * t.ldw + k * row_bytes<W>(), j,
+                                             W == Kind::kF32 ? nullptr : s + p * kPanel);
+      for (int r = 0; r < R; ++r) {
+        const float b = t.x[r * t.ldx + k];
+        for (int c = 0; c < C; ++c) acc[r][c] += b * v[c];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) t.out[r * t.ldout + c] = t.bias == nullptr ? acc[r][c] : acc[r][c] + t.bias[c];
+}
+
+using TileFn = void (*)(const Tile&);
+
+// Vector registers a tile may hold as accumulators (the rest: the panels' weights and the broadcast), and how many
+// one row of one panel takes.
+int64_t accumulators() { return isa() == Isa::kAvx512 ? 24 : 12; }
+int64_t registers_per_panel() { return isa() == Isa::kAvx512 ? 1 : 2; }
+
+template <Kind W, int P>
+TileFn tile_for_rows(int64_t rows) {
+  static const TileFn portable[kMaxRows] = {tile_portable<W, 1, P>, tile_portable<W, 2, P>, tile_portable<W, 3, P>,
+                                            tile_portable<W, 4, P>, tile_portable<W, 5, P>, tile_portable<W, 6, P>};
+#ifdef OPTIMUM_NEURON_X86
+  static const TileFn fma[kMaxRows] = {tile_fma<W, 1, P>, tile_fma<W, 2, P>, tile_fma<W, 3, P>,
+                                       tile_fma<W, 4, P>, tile_fma<W, 5, P>, tile_fma<W, 6, P>};
+  static const TileFn avx512[kMaxRows] = {tile_avx512<W, 1, P>, tile_avx512<W, 2, P>, tile_avx512<W, 3, P>,
+                                          tile_avx512<W, 4, P>, tile_avx512<W, 5, P>, tile_avx512<W, 6, P>};
+  if (isa() == Isa::kAvx512) return avx512[rows - 1];
+  if (isa() == Isa::kAvx2) return fma[rows - 1];
+#endif
+  return portable[rows - 1];
+}
+
+template <Kind W>
+TileFn tile_for(int64_t rows, int64_t panels) {
+  switch (panels) {
+    case 1: return tile_for_rows<W, 1>(rows);
+    case 2: return tile_for_rows<W, 2>(rows);
+    case 3: return tile_for_rows<W, 3>(rows);
+    default: return tile_for_rows<W, 4>(rows);
+  }
+}
+
+// Rows split into blocks of at most kMaxRows, as even as possible (8 rows: 4 + 4).
+struct RowBlocks {
+  int64_t count, base, extra;  // `extra` blocks of base + 1 rows, then blocks of base rows
+  int64_t rows(int64_t b) const { return base + (b < extra ? 1 : 0); }
+};
+
+RowBlocks row_blocks(int64_t m) {
+  const int64_t count = (m + kMaxRows - 1) / kMaxRows;
+  return {count, m / count, m % count};
+}
+
+// Panels per tile: the most the accumulators allow for the widest row block, lowered when that balances the
+// threads better (12 panels on 2 threads: 3 groups of 4 would leave one thread with twice the work).
+int64_t panels_per_tile(int64_t widest, int64_t panels, int64_t threads) {
+  const int64_t most =
+      std::max<int64_t>(1, std::min<int64_t>(kMaxPanels, accumulators() / (registers_per_panel() * widest)));
+  int64_t best = 1, best_cost = INT64_MAX;
+  for (int64_t p = most; p >= 1; --p) {
+    const int64_t groups = (panels + p - 1) / p;
+    const int64_t cost = ((groups + threads - 1) / threads) * p;
+    if (cost < best_cost) best = p, best_cost = cost;
+  }
+  return best;
+}
+
+// y [M, 16 panels] (row stride ldy) = x [M, K] (row stride ldx) times fp32 panels w [panels, K, 16] (panel stride
+// ldw floats), on the calling thread: K in blocks of kBlockK, rows in blocks of up to kMaxRows, panels in groups of up
+// to kMaxPanels. ``partial`` holds M x 16 kMaxPanels floats of partial sums (used when K > kBlockK).
+inline void gemm_serial(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, int64_t panels,
+                        int64_t ldw, float* y, int64_t ldy, float* partial) {
+  if (M <= 0) return;
+  const RowBlocks blocks = row_blocks(M);
+  const int64_t per_tile = panels_per_tile(blocks.rows(0), panels, 1);
+  const int64_t ld = per_tile * kPanel;
+  for (int64_t first = 0; first < panels; first += per_tile) {
+    const int64_t count = std::min(per_tile, panels - first);
+    for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+      const int64_t steps = std::min(kBlockK, K - k0);
+      const bool last = k0 + steps == K;
+      for (int64_t blk = 0, m = 0; blk < blocks.count; m += blocks.rows(blk), ++blk) {
+        float* sums = partial + m * ld;
+        const Tile t{x + m * ldx + k0, ldx, reinterpret_cast<const char*>(w + first * ldw + k0 * kPanel),
+                     ldw * static_cast<int64_t>(sizeof(float)), steps, k0 == 0 ? nullptr : sums, ld,
+                     last ? y + m * ldy + first * kPanel : sums, last ? ldy : ld, nullptr, false, nullptr, 0, k0, 0};
+        tile_for<Kind::kF32>(blocks.rows(blk), count)(t);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace optimum_neuron

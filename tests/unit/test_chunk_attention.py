@@ -1,0 +1,121 @@
+"""The chunk attention kernel (`kernels.attention.chunk_attention`): a prefill chunk's queries over the blocks of their
+window, read in place, and over the chunk's own keys equal torch's ``scaled_dot_product_attention`` on the gathered
+window and the chunk (grouped-query attention, the masks of `models.layers.masks`: causal, padded columns, sliding
+windows, no window at all; chunks of one tile, of several and with a partial last tile; verification rows), on the
+vector path and the portable one. A query's result depends on its own mask row only: the same query gives bitwise the
+same output whatever the chunk's padding. Bad inputs raise."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from optimum.neuron.kernels import library
+from optimum.neuron.kernels.attention import chunk_attention
+from optimum.neuron.models.layers.kv_cache import read_blocks
+from optimum.neuron.models.layers.masks import chunk_mask, chunk_window_mask
+
+CASES = [  # (rows, query heads, KV heads, head size, block size, window blocks, chunk, first position, padded, window)
+    (1, 4, 2, 16, 4, 4, 8, 16, 0, None),
+    (1, 9, 3, 64, 32, 4, 100, 128, 7, None),  # two tiles, the last partial; SmolLM2's heads
+    (1, 6, 2, 20, 8, 3, 70, 0, 0, None),  # a first chunk: the window's blocks all masked
+    (1, 4, 4, 32, 4, 5, 9, 20, 2, 6),  # no grouping, a sliding window shorter than the chunk
+    (3, 4, 2, 16, 4, 3, 5, 9, 0, None),  # verification: three rows, each its own sequence
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    library.load()
+
+
+def inputs(case: tuple, seed: int = 0) -> tuple:
+    rows, heads, kv_heads, dim, block, blocks, chunk, first, padded, window = case
+    generator = torch.Generator().manual_seed(seed)
+    pool = rows * blocks + 1  # block 0: the scratch block
+    caches = [torch.randn(pool, kv_heads, block, dim, generator=generator) for _ in "KV"]
+    table = (torch.randperm(pool - 1, generator=generator)[: rows * blocks] + 1).reshape(rows, blocks)
+    q = torch.randn(rows, heads, chunk, dim, generator=generator)
+    k, v = (torch.randn(rows, kv_heads, chunk, dim, generator=generator) for _ in "kv")
+    positions = torch.arange(first, first + chunk).clamp(max=first + chunk - 1 - padded).expand(rows, -1)
+    keys = torch.arange(blocks * block)
+    mask = chunk_mask(positions, keys) if window is None else chunk_window_mask(positions, keys, window)
+    return q, k, v, caches, table, mask
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list, table: torch.Tensor | None,
+              mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    if table is not None:
+        k = torch.cat((read_blocks(caches[0], table), k), dim=2)
+        v = torch.cat((read_blocks(caches[1], table), v), dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_equals_sdpa_on_the_gathered_window_and_the_chunk(case: tuple) -> None:
+    q, k, v, caches, table, mask = inputs(case)
+    got = chunk_attention(q, k, v, caches[0], caches[1], table, mask, q.shape[-1] ** -0.5)
+    torch.testing.assert_close(got, reference(q, k, v, caches, table, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_without_a_window_only_the_chunk_is_read() -> None:
+    """Context encoding: no block table, the mask over the chunk's own keys."""
+    q, k, v, caches, _, _ = inputs(CASES[1])
+    positions = torch.arange(q.shape[2])[None]
+    mask = chunk_mask(positions, None)
+    got = chunk_attention(q, k, v, caches[0], caches[1], None, mask, 0.125)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_query_does_not_depend_on_the_padding_after_it() -> None:
+    """The real queries of a chunk padded to 100 columns give bitwise the outputs of the same chunk padded to 70, and
+    a query whose mask attends nothing gets zeros."""
+    q, k, v, caches, table, _ = inputs(CASES[1])
+    real = 60
+    outs = []
+    for chunk in (70, 100):
+        positions = torch.arange(128, 128 + chunk).clamp(max=128 + real - 1)[None]
+        mask = chunk_mask(positions, torch.arange(table.shape[1] * 32))
+        outs.append(chunk_attention(q[:, :, :chunk], k[:, :, :chunk], v[:, :, :chunk], *caches, table, mask, 0.125))
+    assert torch.equal(outs[0][:, :, :real], outs[1][:, :, :real])
+    empty = torch.zeros(1, 1, 70, table.shape[1] * 32 + 70, dtype=torch.bool)
+    got = chunk_attention(q[:, :, :70], k[:, :, :70], v[:, :, :70], *caches, table, empty, 0.125)
+    assert torch.equal(got, torch.zeros_like(got))
+
+
+def test_bad_inputs_raise() -> None:
+    q, k, v, caches, table, mask = inputs(CASES[0])
+    with pytest.raises(RuntimeError, match="float32"):
+        chunk_attention(q.double(), k, v, caches[0], caches[1], table, mask, 0.25)
+    with pytest.raises(RuntimeError, match="block_table names blocks"):
+        chunk_attention(q, k, v, caches[0], caches[1], table + 100, mask, 0.25)
+    with pytest.raises(RuntimeError, match="Hk dividing Hq"):
+        chunk_attention(q[:, :3], k, v, caches[0], caches[1], table, mask, 0.25)
+    with pytest.raises(RuntimeError, match="mask bool"):
+        chunk_attention(q, k, v, caches[0], caches[1], table, mask[..., 1:], 0.25)
+
+
+_PORTABLE = """
+import torch
+from tests.unit.test_chunk_attention import CASES, inputs, reference
+from optimum.neuron.kernels import library
+from optimum.neuron.kernels.attention import chunk_attention
+library.load()
+for case in CASES:
+    q, k, v, caches, table, mask = inputs(case, seed=3)
+    got = chunk_attention(q, k, v, caches[0], caches[1], table, mask, q.shape[-1] ** -0.5)
+    torch.testing.assert_close(got, reference(q, k, v, caches, table, mask), rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+def test_the_portable_path_equals_sdpa_too() -> None:
+    env = {**os.environ, "OPTIMUM_NEURON_PACKED_ISA": "portable"}
+    done = subprocess.run([sys.executable, "-c", _PORTABLE], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
