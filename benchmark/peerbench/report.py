@@ -69,7 +69,8 @@ def floor_lines(run: dict[str, Any]) -> list[str]:
     lines = [
         f"{bytes_counted(run)} Best read bandwidth in this run {machine['read_bw'] / 1e9:.1f} GB/s (the better of a "
         "2-thread fp32 `sum` over 512 MiB and a 2-thread GEMV over fp32 matrices as large as the fp32 model); peak "
-        f"{machine['peak_flops'] / 1e9:.0f} GFLOP/s (2-thread fp32 GEMM 2048^3){int_note}. Bandwidth floor of a "
+        f"{machine['peak_flops'] / 1e9:.0f} GFLOP/s (2-thread fp32 GEMM 2048^3, the better of torch.mm and our "
+        f"packed kernel){int_note}. Bandwidth floor of a "
         f"decode step: {machine['weight_bytes'] / 1e6:,.1f} MB / {machine['read_bw'] / 1e9:.1f} GB/s = "
         f"{1000 * machine['weight_bytes'] / machine['read_bw']:.2f} ms. Each row's floor is the larger of bytes / "
         "bandwidth and FLOPs / peak; the batch workload's "
@@ -81,6 +82,7 @@ def floor_lines(run: dict[str, Any]) -> list[str]:
         + "; ".join(
             f"sum {p['read_bw_sum'] / 1e9:.1f} GB/s, GEMV {p['read_bw_gemv'] / 1e9:.1f} GB/s, "
             f"GEMM {p['peak_flops'] / 1e9:.0f} GFLOP/s"
+            + "".join(f" ({name} {value / 1e9:.0f})" for name, value in p.get("gemm_flops", {}).items())
             for p in run["probes"]
         )
         + ".",
