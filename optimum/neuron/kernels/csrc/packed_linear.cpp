@@ -23,7 +23,7 @@
 // depends on that row only, and the AVX2 and AVX-512 paths stay bitwise equal.
 //
 // Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block);
-// each thread walks K in blocks of 64 and, within a block, every row block (up to 6 rows) over the group, so the
+// each thread walks K in blocks of 64 and, within a block, every row block (up to 8 rows on AVX-512, 6 on AVX2: `max_rows`) over the group, so the
 // panel's block stays in L1 while every row uses it, and the memory stream of the weights never pauses for a second
 // row block. The first row block prefetches the next K block of the panels (once per cache line of each panel's
 // stream: every k step for fp32, every 4th for int8, every 8th for int4).

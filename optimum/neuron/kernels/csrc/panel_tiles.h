@@ -22,7 +22,7 @@ namespace optimum_neuron {
 namespace {
 constexpr int64_t kPanel = 16;     // output columns per panel (two 8-float vectors)
 constexpr int64_t kBlockK = 64;    // K steps per block
-constexpr int64_t kMaxRows = 6;    // rows per tile
+constexpr int64_t kMaxRows = 8;    // rows per tile, at most (`max_rows`)
 constexpr int64_t kMaxPanels = 4;  // panels per tile
 constexpr int64_t kLine = 64;      // bytes per cache line (one prefetch)
 
@@ -271,12 +271,15 @@ int64_t registers_per_panel() { return isa() == Isa::kAvx512 ? 1 : 2; }
 template <Kind W, int P>
 TileFn tile_for_rows(int64_t rows) {
   static const TileFn portable[kMaxRows] = {tile_portable<W, 1, P>, tile_portable<W, 2, P>, tile_portable<W, 3, P>,
-                                            tile_portable<W, 4, P>, tile_portable<W, 5, P>, tile_portable<W, 6, P>};
+                                            tile_portable<W, 4, P>, tile_portable<W, 5, P>, tile_portable<W, 6, P>,
+                                            tile_portable<W, 7, P>, tile_portable<W, 8, P>};
 #ifdef OPTIMUM_NEURON_X86
   static const TileFn fma[kMaxRows] = {tile_fma<W, 1, P>, tile_fma<W, 2, P>, tile_fma<W, 3, P>,
-                                       tile_fma<W, 4, P>, tile_fma<W, 5, P>, tile_fma<W, 6, P>};
+                                       tile_fma<W, 4, P>, tile_fma<W, 5, P>, tile_fma<W, 6, P>,
+                                       tile_fma<W, 7, P>, tile_fma<W, 8, P>};
   static const TileFn avx512[kMaxRows] = {tile_avx512<W, 1, P>, tile_avx512<W, 2, P>, tile_avx512<W, 3, P>,
-                                          tile_avx512<W, 4, P>, tile_avx512<W, 5, P>, tile_avx512<W, 6, P>};
+                                          tile_avx512<W, 4, P>, tile_avx512<W, 5, P>, tile_avx512<W, 6, P>,
+                                          tile_avx512<W, 7, P>, tile_avx512<W, 8, P>};
   if (isa() == Isa::kAvx512) return avx512[rows - 1];
   if (isa() == Isa::kAvx2) return fma[rows - 1];
 #endif
@@ -293,14 +296,18 @@ TileFn tile_for(int64_t rows, int64_t panels) {
   }
 }
 
-// Rows split into blocks of at most kMaxRows, as even as possible (8 rows: 4 + 4).
+// Rows per tile, at most: AVX-512 holds 8 rows x 3 panels of accumulators (24 of its 32 registers), so a batch-8
+// decode step streams each weight panel once for all its rows; AVX2's 12 accumulators take 6 rows x 1 panel.
+int64_t max_rows() { return isa() == Isa::kAvx512 ? 8 : 6; }
+
+// Rows split into blocks of at most `max_rows`, as even as possible (14 rows on AVX-512: 7 + 7).
 struct RowBlocks {
   int64_t count, base, extra;  // `extra` blocks of base + 1 rows, then blocks of base rows
   int64_t rows(int64_t b) const { return base + (b < extra ? 1 : 0); }
 };
 
 RowBlocks row_blocks(int64_t m) {
-  const int64_t count = (m + kMaxRows - 1) / kMaxRows;
+  const int64_t count = (m + max_rows() - 1) / max_rows();
   return {count, m / count, m % count};
 }
 
