@@ -23,10 +23,10 @@
 // depends on that row only, and the AVX2 and AVX-512 paths stay bitwise equal.
 //
 // Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block);
-// each thread walks K in blocks of 64 and, within a block, every row block (up to 8 rows on AVX-512, 6 on AVX2: `max_rows`) over the group, so the
-// panel's block stays in L1 while every row uses it, and the memory stream of the weights never pauses for a second
-// row block. The first row block prefetches the next K block of the panels (once per cache line of each panel's
-// stream: every k step for fp32, every 4th for int8, every 8th for int4).
+// each thread walks K in blocks of 64 and, within a block, every row block (up to 8 rows on AVX-512, 6 on AVX2:
+// `max_rows`) over the group (`panel_group`), so the panel's block stays in L1 while every row uses it, and the memory
+// stream of the weights never pauses for a second row block. The first row block prefetches the next K block of the
+// panels (once per cache line of each panel's stream: every k step for fp32, every 4th for int8, every 8th for int4).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -76,25 +76,12 @@ at::Tensor gemm(const at::Tensor& x, const char* wp, int64_t panels, const float
     const RowBlocks blocks = row_blocks(M);
     const int64_t per_tile = panels_per_tile(blocks.rows(0), panels, at::get_num_threads());
     const int64_t tiles = (panels + per_tile - 1) / per_tile;
+    const Product p{xp, K, K, wp, ldw, yp, width, bp, sp, width, group, true};
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       const int64_t ld = per_tile * kPanel;
       std::vector<float> partial(K > kBlockK ? M * ld : 0);
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t first = g * per_tile, count = std::min(per_tile, panels - first), col = first * kPanel;
-        for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
-          const int64_t steps = std::min(kBlockK, K - k0);
-          const bool last = k0 + steps == K;
-          for (int64_t blk = 0, m = 0; blk < blocks.count; m += blocks.rows(blk), ++blk) {
-            float* sums = partial.data() + m * ld;
-            const Tile t{xp + m * K + k0, K, wp + first * ldw + k0 * row_bytes<W>(), ldw, steps,
-                         k0 == 0 ? nullptr : sums, ld,
-                         last ? yp + m * width + col : sums, last ? width : ld,
-                         last && bp != nullptr ? bp + col : nullptr, blk == 0,
-                         sp == nullptr ? nullptr : sp + col, width, k0, group};
-            tile_for<W>(blocks.rows(blk), count)(t);
-          }
-        }
-      }
+      for (int64_t g = begin; g < end; ++g)
+        panel_group<W>(p, blocks, g * per_tile, std::min(per_tile, panels - g * per_tile), partial.data(), ld);
     });
   } else if (M > 0) {
     y.zero_();

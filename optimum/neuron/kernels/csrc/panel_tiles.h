@@ -1,7 +1,7 @@
 // The register tiles of the toolkit's panel GEMM, shared by packed_linear.cpp (the linear layers) and
 // chunk_attention.cpp (the two products of a prefill chunk's attention): y [M, 16 P] = x [M, K] times P panels of
-// [K, 16] (`Tile`, `tile_for`), on the AVX-512, AVX2 + FMA and portable paths, and `gemm_serial`, the whole product on
-// one thread. Every output element is one fp32 accumulator taking x[m, k] * w[k, n] for k = 0, 1, ... in order,
+// [K, 16] (`Tile`, `tile_for`), on the AVX-512, AVX2 + FMA and portable paths; `panel_group`, one group of panels over
+// every K block and row block (what packed_linear's threads each run); `gemm_serial`, the whole product on one thread. Every output element is one fp32 accumulator taking x[m, k] * w[k, n] for k = 0, 1, ... in order,
 // whatever the blocking (packed_linear.cpp states the rule).
 #pragma once
 
@@ -325,29 +325,55 @@ int64_t panels_per_tile(int64_t widest, int64_t panels, int64_t threads) {
   return best;
 }
 
+// One product y = x [M, K] times panels of kind W: the operands and strides every group of panels shares.
+struct Product {
+  const float* x;       // row stride ldx
+  int64_t ldx;
+  int64_t K;
+  const char* w;        // the first panel
+  int64_t ldw;          // panel stride in bytes
+  float* y;             // row stride ldy, 16 columns per panel
+  int64_t ldy;
+  const float* bias;    // one per column, padded to the panels (null: none)
+  const float* scales;  // quantized kinds: [groups, lds], the group size `group`
+  int64_t lds;
+  int64_t group;
+  bool prefetch;        // the first row block prefetches the next K block of the panels
+};
+
+// The `count` panels from panel `first` of product `p`: K in blocks of kBlockK, every row block of `blocks` over each
+// K block; ``partial`` holds M x ld floats of partial sums (ld: 16 x the widest group; used when K > kBlockK).
+template <Kind W>
+inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first, int64_t count, float* partial,
+                        int64_t ld) {
+  const int64_t col = first * kPanel;
+  for (int64_t k0 = 0; k0 < p.K; k0 += kBlockK) {
+    const int64_t steps = std::min(kBlockK, p.K - k0);
+    const bool last = k0 + steps == p.K;
+    for (int64_t blk = 0, m = 0; blk < blocks.count; m += blocks.rows(blk), ++blk) {
+      float* sums = partial + m * ld;
+      const Tile t{p.x + m * p.ldx + k0, p.ldx, p.w + first * p.ldw + k0 * row_bytes<W>(), p.ldw, steps,
+                   k0 == 0 ? nullptr : sums, ld,
+                   last ? p.y + m * p.ldy + col : sums, last ? p.ldy : ld,
+                   last && p.bias != nullptr ? p.bias + col : nullptr, p.prefetch && blk == 0,
+                   p.scales == nullptr ? nullptr : p.scales + col, p.lds, k0, p.group};
+      tile_for<W>(blocks.rows(blk), count)(t);
+    }
+  }
+}
+
 // y [M, 16 panels] (row stride ldy) = x [M, K] (row stride ldx) times fp32 panels w [panels, K, 16] (panel stride
-// ldw floats), on the calling thread: K in blocks of kBlockK, rows in blocks of up to kMaxRows, panels in groups of up
-// to kMaxPanels. ``partial`` holds M x 16 kMaxPanels floats of partial sums (used when K > kBlockK).
+// ldw floats), on the calling thread, in groups of as many panels as the registers allow. ``partial`` holds M x 16
+// kMaxPanels floats of partial sums (used when K > kBlockK).
 inline void gemm_serial(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, int64_t panels,
                         int64_t ldw, float* y, int64_t ldy, float* partial) {
   if (M <= 0) return;
   const RowBlocks blocks = row_blocks(M);
   const int64_t per_tile = panels_per_tile(blocks.rows(0), panels, 1);
-  const int64_t ld = per_tile * kPanel;
-  for (int64_t first = 0; first < panels; first += per_tile) {
-    const int64_t count = std::min(per_tile, panels - first);
-    for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
-      const int64_t steps = std::min(kBlockK, K - k0);
-      const bool last = k0 + steps == K;
-      for (int64_t blk = 0, m = 0; blk < blocks.count; m += blocks.rows(blk), ++blk) {
-        float* sums = partial + m * ld;
-        const Tile t{x + m * ldx + k0, ldx, reinterpret_cast<const char*>(w + first * ldw + k0 * kPanel),
-                     ldw * static_cast<int64_t>(sizeof(float)), steps, k0 == 0 ? nullptr : sums, ld,
-                     last ? y + m * ldy + first * kPanel : sums, last ? ldy : ld, nullptr, false, nullptr, 0, k0, 0};
-        tile_for<Kind::kF32>(blocks.rows(blk), count)(t);
-      }
-    }
-  }
+  const Product p{x, ldx, K, reinterpret_cast<const char*>(w), ldw * static_cast<int64_t>(sizeof(float)),
+                  y, ldy, nullptr, nullptr, 0, 0, false};
+  for (int64_t first = 0; first < panels; first += per_tile)
+    panel_group<Kind::kF32>(p, blocks, first, std::min(per_tile, panels - first), partial, per_tile * kPanel);
 }
 
 }  // namespace
