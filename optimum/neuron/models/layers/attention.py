@@ -54,6 +54,11 @@ def window_keys(table: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.arange(table.shape[1] * block_size, device=table.device)
 
 
+def softmax_scale(q: torch.Tensor, scale: float | None) -> float:
+    """The scale of the scores the CPU kernels take: ``scale``, or ``head_dim ** -0.5`` (SDPA's default) for None."""
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
 def grouped_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
@@ -118,7 +123,7 @@ class DecodeContext:
         mask = self.mask_for(window)
         if self.kernel:
             rows = mask.reshape(mask.shape[0], mask.shape[-1])
-            factor = q.shape[-1] ** -0.5 if scale is None else scale
+            factor = softmax_scale(q, scale)
             if len(caches) == 4:  # int8 values and their scales, dequantized as read
                 k_cache, v_cache, k_scale, v_scale = caches
                 return paged_attention_int8(q, k_cache, v_cache, k_scale, v_scale, self.table, rows, factor)
@@ -179,7 +184,7 @@ class ChunkContext:
             # The keys the chunk wrote inside its window are masked for every query (they are not before the
             # chunk's first position), so they weigh exactly 0.
             write_stored(caches, self.slots, stored)
-            factor = q.shape[-1] ** -0.5 if scale is None else scale
+            factor = softmax_scale(q, scale)
             return chunk_attention(q, k, v, caches[0], caches[1], self.table, self.mask_for(window), factor)
         keys, values = readable(stored, k.dtype)
         if self.table is not None:
