@@ -1,8 +1,8 @@
 """The paged attention kernel (`kernels.attention`): each row's attention over the blocks of its window, read in place,
 equals torch's ``scaled_dot_product_attention`` on the gathered window (grouped-query attention, causal and
 sliding-window masks, head sizes with and without a tail past the vector width, scattered blocks, an idle row reading
-the scratch block), on the AVX2 path and the portable one; bad inputs raise. Its int8 twin (``--kv_cache_dtype int8``)
-is bitwise the float kernel on the dequantized cache, on each path."""
+the scratch block), on each instruction-set path the CPU has (AVX-512, AVX2, portable); bad inputs raise. Its int8
+twin (``--kv_cache_dtype int8``) is bitwise the float kernel on the dequantized cache, on each path."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ CASES = [  # (rows, query heads, KV heads, head size, block size, blocks per win
     (3, 9, 3, 64, 32, 8, None),
     (1, 8, 1, 20, 8, 3, None),  # a head size past the 8-float vectors
     (4, 6, 6, 32, 4, 5, 7),  # no grouping, a sliding window
+    (2, 6, 2, 48, 16, 3, None),  # AVX-512: three single 16-float pieces; AVX2: a 32-float group and two 8-float pieces
+    (2, 4, 2, 128, 8, 5, None),  # two 64-float groups of the value pass
 ]
 
 
@@ -117,7 +119,7 @@ def test_int8_kernel_refuses_float_caches_and_misshaped_scales() -> None:
         paged_attention_int8(q, *quantized[:2], *(s[:, :1].contiguous() for s in quantized[2:]), table, mask, 0.25)
 
 
-_PORTABLE = """
+_OTHER_PATH = """
 import torch
 from tests.unit.test_paged_attention import CASES, check_int8, inputs, reference
 from optimum.neuron.kernels import library
@@ -134,8 +136,10 @@ print("ok")
 """
 
 
-def test_the_portable_path_equals_sdpa_too() -> None:
-    """The portable path: the float kernel equals SDPA, the int8 kernel the float one on the dequantized cache."""
-    env = {**os.environ, "OPTIMUM_NEURON_PACKED_ISA": "portable"}
-    done = subprocess.run([sys.executable, "-c", _PORTABLE], capture_output=True, text=True, env=env, timeout=600)
+@pytest.mark.parametrize("path", ["avx2", "portable"])
+def test_the_other_paths_equal_sdpa_too(path: str) -> None:
+    """The paths below the CPU's best (AVX2 on an AVX-512 CPU, portable): the float kernel equals SDPA, the int8
+    kernel the float one on the dequantized cache."""
+    env = {**os.environ, "OPTIMUM_NEURON_PACKED_ISA": path}
+    done = subprocess.run([sys.executable, "-c", _OTHER_PATH], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
