@@ -28,8 +28,12 @@ CONFIG_FILE = "neuron_config.json"
 AUTO_FIRST_WINDOW = 256
 """The smallest KV window of ``kv_buckets="auto"`` (unless the chunk is larger)."""
 SMALLEST_CHUNK_BUCKET = 4
-"""The shortest chunk-length bucket (`chunk_buckets`): ``auto`` halves the chunk down to it, a list may not go below
-it (a symbolic chunk dimension is traced for lengths of at least 3 tokens)."""
+"""The shortest chunk-length bucket (`chunk_buckets`): ``auto`` starts from it, a list may not go below it (a symbolic
+chunk dimension is traced for lengths of at least 3 tokens)."""
+AUTO_CHUNK_STEP = 16
+"""``chunk_buckets="auto"`` on inductor and eager: every multiple of this up to the chunk (and the powers of two from
+`SMALLEST_CHUNK_BUCKET` below it), so a piece pads at most 15 tokens (SmolLM2's prefill costs about what its padded
+columns need: halving buckets padded vLLM's 136-token pieces to 256)."""
 AUTO_BLOCK_SIZES = (32, 16, 8, 4, 2, 1)
 """``kv_block_size=0`` picks the largest of these that divides the sequence length and every KV window."""
 LINEAR_KERNELS = ("auto", "packed", "aten")
@@ -123,9 +127,10 @@ class NeuronConfig:
     """Chunk-length buckets: the lengths a chunked-prefill call may run at, the engine padding each chunk to the
     shortest that holds its real tokens, so a short chunk (the tail of a prompt whose start the prefix cache holds, a
     short prompt, a piece vLLM's token budget leaves) costs what its tokens need instead of ``prefill_chunk_size``.
-    ``auto``: on inductor and eager, ``prefill_chunk_size`` halved while the half is whole and at least 4 (256: 4, 8,
-    ..., 128, 256), compiled as one symbolic dimension, so buckets cost no export time; on xla and neuron (static
-    shapes: one graph per bucket and KV window), ``prefill_chunk_size`` alone. ``none``: ``prefill_chunk_size``
+    ``auto``: on inductor and eager, every multiple of 16 below ``prefill_chunk_size``, 4 and 8, and the chunk itself
+    (256: 4, 8, 16, 32, 48, ..., 240, 256), compiled as one symbolic dimension, so buckets cost no export time and a
+    piece pads at most 15 tokens; on xla and neuron (static shapes: one graph per bucket and KV window),
+    ``prefill_chunk_size`` alone. ``none``: ``prefill_chunk_size``
     alone; or increasing lengths ``L1,L2,...`` of at least 4 (``prefill_chunk_size`` is always added). Context
     encoding (``prefill_chunk_size`` 0) has no buckets."""
     kv_block_size: int = 0
@@ -262,11 +267,11 @@ class NeuronConfig:
         if spec == "none" or (spec == "auto" and self.backend not in SYMBOLIC_SHAPE_BACKENDS):
             return (chunk,)
         if spec == "auto":
-            sizes, size = [chunk], chunk
-            while size % 2 == 0 and size // 2 >= SMALLEST_CHUNK_BUCKET:
-                size //= 2
-                sizes.insert(0, size)
-            return tuple(sizes)
+            sizes, size = {chunk, *range(AUTO_CHUNK_STEP, chunk, AUTO_CHUNK_STEP)}, SMALLEST_CHUNK_BUCKET
+            while size < min(chunk, AUTO_CHUNK_STEP):
+                sizes.add(size)
+                size *= 2
+            return tuple(sorted(sizes))
         return _listed_sizes(spec, chunk)
 
     @property

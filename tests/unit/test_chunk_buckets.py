@@ -11,10 +11,11 @@ from optimum.neuron.graphs import GraphKind, graph_fields, graph_specs, select_g
 
 
 @pytest.mark.parametrize(("backend", "chunk", "spec", "sizes"), [
-    ("inductor", 256, "auto", (4, 8, 16, 32, 64, 128, 256)),
+    ("inductor", 256, "auto", (4, 8, *range(16, 257, 16))),  # every multiple of 16, 4 and 8 below it
     ("eager", 8, "auto", (4, 8)),
-    ("inductor", 12, "auto", (6, 12)),  # halved while the half is whole and at least 4
-    ("inductor", 5, "auto", (5,)),
+    ("inductor", 12, "auto", (4, 8, 12)),
+    ("inductor", 100, "auto", (4, 8, 16, 32, 48, 64, 80, 96, 100)),  # the chunk itself after the last multiple
+    ("inductor", 4, "auto", (4,)),
     ("xla", 256, "auto", (256,)),  # static shapes: a bucket is one more graph per window, so only on request
     ("inductor", 256, "none", (256,)),
     ("inductor", 256, "64,128", (64, 128, 256)),
