@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,21 +102,35 @@ def test_bad_inputs_raise() -> None:
         chunk_attention(q, k, v, caches[0], caches[1], table, mask[..., 1:], 0.25)
 
 
-_PORTABLE = """
+_OTHER_PATH = """
+import sys
 import torch
 from tests.unit.test_chunk_attention import CASES, inputs, reference
 from optimum.neuron.kernels import library
 from optimum.neuron.kernels.attention import chunk_attention
 library.load()
+outputs = []
 for case in CASES:
     q, k, v, caches, table, mask = inputs(case, seed=3)
     got = chunk_attention(q, k, v, caches[0], caches[1], table, mask, q.shape[-1] ** -0.5)
     torch.testing.assert_close(got, reference(q, k, v, caches, table, mask), rtol=1e-5, atol=1e-6)
+    outputs.append(got)
+torch.save(outputs, sys.argv[1])
 print("ok")
 """
 
 
-def test_the_portable_path_equals_sdpa_too() -> None:
-    env = {**os.environ, "OPTIMUM_NEURON_PACKED_ISA": "portable"}
-    done = subprocess.run([sys.executable, "-c", _PORTABLE], capture_output=True, text=True, env=env, timeout=600)
+@pytest.mark.parametrize("path", ["avx2", "portable"])
+def test_the_other_paths_equal_sdpa_too(path: str, tmp_path: Path) -> None:
+    """The paths below the CPU's best equal SDPA; the AVX2 path's results are bitwise those of this process's path
+    (AVX-512 or AVX2: the same fused multiply-adds in the same order, the softmax the same lane for lane)."""
+    env = {**os.environ, "OPTIMUM_NEURON_PACKED_ISA": path}
+    saved = tmp_path / "outputs.pt"
+    command = [sys.executable, "-c", _OTHER_PATH, str(saved)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    if path == "avx2":
+        for case, theirs in zip(CASES, torch.load(saved), strict=True):
+            q, k, v, caches, table, mask = inputs(case, seed=3)
+            ours = chunk_attention(q, k, v, caches[0], caches[1], table, mask, q.shape[-1] ** -0.5)
+            assert torch.equal(ours, theirs), f"AVX2 and this CPU's path differ on {case}"

@@ -24,8 +24,9 @@
 // on its own mask row only, not on the tile, the chunk size or the other queries (DESIGN.md invariant 4). A query
 // whose mask attends no key gets zeros.
 //
-// Instruction sets: the panel GEMM's paths (AVX-512, AVX2 + FMA, portable); the softmax is AVX2 on both vector
-// paths, portable C++ otherwise (`isa.h`).
+// Instruction sets: the panel GEMM's paths (AVX-512, AVX2 + FMA, portable); the softmax likewise (16 or 8 columns per
+// vector, the same values lane for lane; a key no column of the vector attends is skipped: exact zeros), portable C++
+// otherwise (`isa.h`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -95,6 +96,10 @@ __attribute__((target("avx2,fma"))) void softmax_avx2(const float* s, const uint
     for (int64_t j = 0; j < keys; ++j) {
       const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mt + j * Cp + c)));
       const __m256 on = _mm256_castsi256_ps(_mm256_cmpgt_epi32(bytes, _mm256_setzero_si256()));
+      if (_mm256_movemask_ps(on) == 0) {  // a key no column attends (past the causal end, masked blocks): exact zeros
+        _mm256_storeu_ps(panel + j * kPanel, _mm256_setzero_ps());
+        continue;
+      }
       const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j * kTile + c), base)), on);
       sum = _mm256_add_ps(sum, e);
       _mm256_storeu_ps(panel + j * kPanel, e);
@@ -102,11 +107,41 @@ __attribute__((target("avx2,fma"))) void softmax_avx2(const float* s, const uint
     _mm256_storeu_ps(total + c, sum);
   }
 }
+
+// Key j's mask bytes for columns [c, c + 16) as a lane mask.
+__attribute__((target("avx512f"))) inline __mmask16 lanes16(const uint8_t* mt, int64_t Cp, int64_t j, int64_t c) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mt + j * Cp + c)));
+  return _mm512_cmpgt_epi32_mask(bytes, _mm512_setzero_si512());
+}
+
+// The AVX-512 twin: 16 columns per vector, a key's mask bytes as a 16-bit lane mask (the same values lane for lane).
+__attribute__((target("avx512f"))) void softmax_avx512(const float* s, const uint8_t* mt, int64_t Cp, int64_t keys,
+                                                       int64_t width, float* w, float* total) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), zero = _mm512_setzero_ps();
+  for (int64_t c = 0; c < width; c += kPanel) {
+    __m512 top = ninf;
+    for (int64_t j = 0; j < keys; ++j) {
+      top = _mm512_mask_max_ps(top, lanes16(mt, Cp, j, c), top, _mm512_loadu_ps(s + j * kTile + c));
+    }
+    const __m512 base = _mm512_mask_mov_ps(top, _mm512_cmp_ps_mask(top, ninf, _CMP_EQ_OQ), zero);
+    __m512 sum = zero;
+    float* panel = w + (c / kPanel) * keys * kPanel;
+    for (int64_t j = 0; j < keys; ++j) {
+      const __mmask16 on = lanes16(mt, Cp, j, c);
+      const __m512 e =
+          on == 0 ? zero : _mm512_maskz_mov_ps(on, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j * kTile + c), base)));
+      sum = _mm512_add_ps(sum, e);
+      _mm512_storeu_ps(panel + j * kPanel, e);
+    }
+    _mm512_storeu_ps(total + c, sum);
+  }
+}
 #endif
 
 void softmax_tile(const float* s, const uint8_t* mt, int64_t Cp, int64_t keys, int64_t width, float* w,
                   float* total) {
 #ifdef OPTIMUM_NEURON_X86
+  if (isa() == Isa::kAvx512) return softmax_avx512(s, mt, Cp, keys, width, w, total);
   if (isa() != Isa::kPortable) return softmax_avx2(s, mt, Cp, keys, width, w, total);
 #endif
   softmax_portable(s, mt, Cp, keys, width, w, total);

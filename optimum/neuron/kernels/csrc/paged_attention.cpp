@@ -25,8 +25,8 @@
 // run 16 floats per register on AVX-512 (head dimension a multiple of 16), 8 on AVX2. A task's keys lie in runs of
 // block_size rows scattered over the cache, where the hardware prefetcher restarts at every run: the score pass asks
 // for the K and V rows of the keys 32 ahead (V into L2, where the value pass finds it). Measured on SmolLM2's decode
-// attention at batch 8 (30 layers' caches, cold): 6.4-6.8 -> 4.1-4.8 ms per step at 300 positions, 19.5-20.4 -> 14.2-16.1 ms
-// at 1,000 (a two-thread read of the same blocks alone: 2.8-3.4 and 10.7-10.9 ms).
+// attention at batch 8 (30 layers' caches, cold): 6.4-6.8 -> 4.1-4.8 ms per step at 300 positions, 19.5-20.4 ->
+// 14.2-16.1 ms at 1,000 (a two-thread read of the same blocks alone: 2.8-3.4 and 10.7-10.9 ms).
 //
 // Instruction sets. AVX-512, or AVX2 + FMA, where the CPU has it (vector dot products, value sums and exp), else
 // portable C++; OPTIMUM_NEURON_PACKED_ISA=avx2|portable picks a lower path (`isa.h`, shared with packed_linear).
@@ -321,7 +321,9 @@ __attribute__((target("avx512f,avx2,fma"))) void scores_avx512(const Task<T>& t)
   }
   for (; i < t.count; ++i) {
     rows_avx2(t.k, t.k_scale, t.rows + i, 1, t.dim, t.buf, keys);
-    for (int64_t g = 0; g < t.group; ++g) t.scores[g * t.count + i] = dot_avx2(t.q + g * t.dim, keys[0], t.dim) * t.scale;
+    for (int64_t g = 0; g < t.group; ++g) {
+      t.scores[g * t.count + i] = dot_avx2(t.q + g * t.dim, keys[0], t.dim) * t.scale;
+    }
   }
 }
 
