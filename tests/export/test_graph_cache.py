@@ -162,9 +162,11 @@ export(sys.argv[1], sys.argv[2], config(prompt_logprobs=sys.argv[3] == "1"))
 """
 
 
-def _start_export(model: Path, out: Path, logprobs: bool) -> subprocess.Popen[str]:
+def _start_export(model: Path, out: Path, logprobs: bool, workers: int = 0) -> subprocess.Popen[str]:
     command = [sys.executable, "-c", _EXPORT, str(model), str(out), "1" if logprobs else "0"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    if workers:
+        env[WORKERS_ENV] = str(workers)
     return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -196,6 +198,49 @@ def test_a_killed_export_leaves_nothing_a_later_export_takes(private_cache: Path
     artifact = export(model, tmp_path / "again", config())
     assert len(entries(private_cache)) == 2
     assert greedy(artifact) == hf_greedy(model, PROMPT, 6)
+
+
+def test_a_worker_dies_with_its_exporter(private_cache: Path, model: Path, tmp_path: Path) -> None:
+    """The exporter alone killed (not its process group) mid-compile: its worker process exits at once (Linux's
+    parent-death signal) instead of finishing a graph for nobody."""
+    run = _start_export(model, tmp_path / "killed", False, workers=2)
+    deadline = time.monotonic() + 300
+    while not (workers := _compiling_workers(run.pid)):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-2000:]
+        time.sleep(0.05)
+    os.kill(run.pid, signal.SIGKILL)
+    run.wait()
+    deadline = time.monotonic() + 3  # without the signal the worker finishes its graph first (seconds of g++)
+    while (alive := [pid for pid in workers if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive, f"worker processes {alive} outlived their exporter: {[_command(pid) for pid in alive]}"
+
+
+def _compiling_workers(pid: int) -> list[int]:
+    """The compile workers of exporting process ``pid`` that are running a compiler (a child of theirs)."""
+    workers = [child for child in _children(pid) if "exporters.neuron.compile_worker" in _command(child)]
+    return [worker for worker in workers if _children(worker)]
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux's ``/proc``)."""
+    return [int(child) for path in Path(f"/proc/{pid}/task").glob("*/children") for child in path.read_text().split()]
+
+
+def _command(pid: int) -> str:
+    """Process ``pid``'s command line (empty once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except FileNotFoundError:
+        return ""
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def test_worker_count(model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -39,6 +39,8 @@ from ...neuron.weights import read_checkpoint
 WORKERS_ENV = "OPTIMUM_NEURON_COMPILE_WORKERS"
 """Environment variable fixing the number of processes that compile one export's graphs (1: all in the exporting
 process); unset, `worker_count` decides."""
+PARENT_ENV = "OPTIMUM_NEURON_COMPILE_PARENT"
+"""Set by `WorkerProcess` for its worker: the exporting process's id (the worker exits with it, `compile_worker`)."""
 PARALLEL_MIN_CHECKPOINT_BYTES = 64 << 20
 """Checkpoints smaller than this compile in the exporting process: a worker's start (torch imported, checkpoint
 loaded: ~5 s) costs more than it saves on graphs that compile in seconds (a tiny test model's two graphs: 17.8 s in one
@@ -247,7 +249,7 @@ class WorkerProcess:
     the caller's script), it loads the checkpoint once and answers one pickled job at a time over its pipes."""
 
     def __init__(self, model_dir: Path, config: NeuronConfig) -> None:
-        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", PARENT_ENV: str(os.getpid())}
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the code this process runs, not another copy
         command = [sys.executable, "-m", "optimum.exporters.neuron.compile_worker"]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
