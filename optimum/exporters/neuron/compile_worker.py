@@ -50,9 +50,9 @@ def _die_with_parent() -> None:
     exits when stdin closes, after its current graph."""
     if not sys.platform.startswith("linux"):
         return
-    if ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-        if str(os.getppid()) != os.environ.get(PARENT_ENV, str(os.getppid())):
-            sys.exit(1)
+    asked = ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    if asked and str(os.getppid()) != os.environ.get(PARENT_ENV, str(os.getppid())):
+        sys.exit(1)
 
 
 _PR_SET_PDEATHSIG = 1
