@@ -174,6 +174,19 @@ __attribute__((target("avx2,fma"))) inline void prefetch_rows(const Task<T>& t, 
 
 constexpr int64_t AHEAD = 32;  // keys between a row's prefetch and its use
 
+// The scores of keys [from, count), one key at a time (what the KEYS-wide passes leave, or every key when the head
+// dimension is not a multiple of 8).
+template <typename T>
+__attribute__((target("avx2,fma"))) void scores_one_by_one(const Task<T>& t, int64_t from) {
+  const float* key[1];
+  for (int64_t i = from; i < t.count; ++i) {
+    rows_avx2(t.k, t.k_scale, t.rows + i, 1, t.dim, t.buf, key);
+    for (int64_t g = 0; g < t.group; ++g) {
+      t.scores[g * t.count + i] = dot_avx2(t.q + g * t.dim, key[0], t.dim) * t.scale;
+    }
+  }
+}
+
 // Scores of the group's query heads against every attended key: KEYS keys at a time (eight independent dot products
 // per query head, finished together), the rest one by one.
 template <typename T>
@@ -198,10 +211,7 @@ __attribute__((target("avx2,fma"))) void scores_avx2(const Task<T>& t) {
       }
     }
   }
-  for (; i < t.count; ++i) {
-    rows_avx2(t.k, t.k_scale, t.rows + i, 1, t.dim, t.buf, keys);
-    for (int64_t g = 0; g < t.group; ++g) t.scores[g * t.count + i] = dot_avx2(t.q + g * t.dim, keys[0], t.dim) * t.scale;
-  }
+  scores_one_by_one(t, i);
 }
 
 // out[0, 8 P) += sum over j < n of weights[j] * values[j][at, at + 8 P): the even and odd keys in two sets of P
@@ -319,12 +329,7 @@ __attribute__((target("avx512f,avx2,fma"))) void scores_avx512(const Task<T>& t)
       _mm256_storeu_ps(t.scores + g * t.count + i, _mm256_mul_ps(sums8x8(folded), scale));
     }
   }
-  for (; i < t.count; ++i) {
-    rows_avx2(t.k, t.k_scale, t.rows + i, 1, t.dim, t.buf, keys);
-    for (int64_t g = 0; g < t.group; ++g) {
-      t.scores[g * t.count + i] = dot_avx2(t.q + g * t.dim, keys[0], t.dim) * t.scale;
-    }
-  }
+  scores_one_by_one(t, i);
 }
 
 // The AVX-512 twin of `weighted_sum8`: out[0, 16 P) += sum over j < n of weights[j] * values[j][at, at + 16 P).
