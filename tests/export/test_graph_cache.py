@@ -223,8 +223,14 @@ def _compiling_workers(pid: int) -> list[int]:
 
 
 def _children(pid: int) -> list[int]:
-    """The child processes of ``pid`` (Linux's ``/proc``)."""
-    return [int(child) for path in Path(f"/proc/{pid}/task").glob("*/children") for child in path.read_text().split()]
+    """The child processes of ``pid`` (Linux's ``/proc``; a thread that ends while it is read has none)."""
+    children = []
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children.extend(int(child) for child in path.read_text().split())
+        except FileNotFoundError:
+            continue
+    return children
 
 
 def _command(pid: int) -> str:
@@ -239,7 +245,7 @@ def _running(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
+    except FileNotFoundError:
         return False
 
 
