@@ -4,10 +4,17 @@ decoder's modules."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
+from optimum.neuron.cache_dir import cache_root
 from optimum.neuron.errors import BackendUnavailableError
 from optimum.neuron.kernels import library, packed
 from optimum.neuron.models.layers.embedding import PackedEmbedding, ScaledEmbedding
@@ -98,6 +105,21 @@ def test_no_compiler_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(library, "_loaded", [])
     with pytest.raises(BackendUnavailableError, match="--linear_kernel aten --attention_kernel sdpa"):
         library.load()
+
+
+def test_a_build_killed_midway_does_not_hang_the_next(tmp_path: Path) -> None:
+    """torch's extension builder keeps a ``lock`` file in the build folder while it builds; a process killed then (a
+    compile worker killed with its exporter) left it, and every later load waited for it forever. A load under the
+    build's cache lock drops it (here: the built library copied into a fresh cache, so nothing is recompiled)."""
+    key = library._build_key()
+    build = tmp_path / "kernels" / key
+    shutil.copytree(cache_root() / "kernels" / key, build)
+    (build / "lock").write_text("")
+    env = {**os.environ, "OPTIMUM_NEURON_CACHE": str(tmp_path)}
+    command = [sys.executable, "-c", "from optimum.neuron.kernels import library; library.load(); print('ok')"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)  # without the fix: forever
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    assert not (build / "lock").exists()
 
 
 class _Tiny(nn.Module):

@@ -39,6 +39,7 @@ def load() -> None:
         build = cache_root() / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
         with cache_lock(build.with_name(f"{key}.lock")):
+            _drop_stale_baton(build)
             try:
                 cpp_extension.load(
                     name=f"optimum_neuron_kernels_{key}",
@@ -55,6 +56,14 @@ def load() -> None:
                     "C++ compiler (g++) and ninja, or export with --linear_kernel aten --attention_kernel sdpa."
                 ) from err
         _loaded.append(key)
+
+
+def _drop_stale_baton(build: Path) -> None:
+    """Remove the ``lock`` file torch's extension builder keeps in ``build`` while it builds, when a build was killed
+    and left it: torch waits for that file to go, forever, and every later process with it (a compile worker killed
+    with its exporter while it built the library hung the next export). Called under the build's `cache_lock`, which no
+    other process holds, so no live build owns the file."""
+    (build / "lock").unlink(missing_ok=True)
 
 
 def _build_key() -> str:
