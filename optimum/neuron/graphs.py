@@ -71,10 +71,11 @@ class GraphSpec:
     ``W / block_size`` columns."""
     chunks: tuple[int, ...] = ()
     """Chunked prefill: the chunk lengths (chunk-length buckets) the graph runs at, ``tokens`` being the longest: one
-    for a graph compiled per length, several for a graph whose token columns are a symbolic dimension; none for the
-    other kinds (their ``tokens`` is fixed)."""
+    for a graph compiled per length, several for a graph whose token columns are a symbolic dimension; verification:
+    the columns per row it runs at (`verification_widths`); none for the other kinds (their ``tokens`` is fixed)."""
     chunk_size: int = 0
-    """Chunked prefill: the artifact's ``prefill_chunk_size``, the length that needs no suffix in the name."""
+    """Chunked prefill: the artifact's ``prefill_chunk_size``, the length that needs no suffix in the name
+    (verification: ``speculation_length + 1``)."""
     adapters: bool = False
     """Multi-LoRA (``--max_loras``): the graph also takes ``adapter_ids [batch]``, each row's adapter slot (last)."""
 
@@ -175,7 +176,9 @@ def compiled_form(spec: GraphSpec) -> GraphSpec:
     within 1 % of the graph traced at its 256-token chunk.) The name is the spec's: the artifact's graph file is this
     graph."""
     form, top = spec, spec.sequence_length
-    if spec.symbolic_chunk:
+    if spec.symbolic_chunk and spec.kind is GraphKind.VERIFICATION:  # traced at its widest, K + 1
+        form = dataclasses.replace(form, chunks=(spec.chunks[0], spec.chunks[-1]))
+    elif spec.symbolic_chunk:
         form = dataclasses.replace(form, chunks=(SMALLEST_CHUNK_BUCKET, top), tokens=top, chunk_size=top)
     if spec.symbolic_window:
         form = dataclasses.replace(form, windows=(min(2 * spec.block_size, spec.windows[0]), top))
@@ -259,12 +262,28 @@ def graph_spec(config: NeuronConfig, kind: GraphKind) -> GraphSpec:
     if kind is GraphKind.TOKEN_GENERATION:
         return GraphSpec(kind, config.batch_size, 1, config.on_device_sampling, False, windows, seq, block_size=block)
     if kind is GraphKind.VERIFICATION:
-        tokens = config.speculation_length + 1
-        return GraphSpec(kind, config.batch_size, tokens, False, False, windows, seq, block_size=block)
+        return GraphSpec(
+            kind, config.batch_size, config.speculation_length + 1, False, False, windows, seq, block_size=block,
+            chunks=verification_widths(config), chunk_size=config.speculation_length + 1,
+        )  # fmt: skip
     if kind is GraphKind.CHUNKED_PREFILL:
         chunks, chunk = config.chunk_sizes, config.prefill_chunk_size
         return GraphSpec(kind, 1, chunk, False, False, windows, seq, block_size=block, chunks=chunks, chunk_size=chunk)
     return GraphSpec(kind, 1, seq, False, False, (), seq, block_size=block)
+
+
+def verification_widths(config: NeuronConfig) -> tuple[int, ...]:
+    """The columns per row a verification call runs at: on a symbolic-shape backend every width from
+    `SMALLEST_VERIFICATION` to ``speculation_length + 1`` (one graph, its columns a symbolic dimension), so a call whose
+    rows propose at most k tokens computes k + 1 columns, not K + 1; on a static-shape backend K + 1 alone."""
+    most = config.speculation_length + 1
+    if config.backend not in SYMBOLIC_SHAPE_BACKENDS or most <= SMALLEST_VERIFICATION:
+        return (most,)
+    return tuple(range(SMALLEST_VERIFICATION, most + 1))
+
+
+SMALLEST_VERIFICATION = 2
+"""The narrowest verification call: a sequence's last token and one proposed token."""
 
 
 def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:

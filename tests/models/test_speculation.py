@@ -20,14 +20,18 @@ from optimum.neuron.runtime.speculation import propose_lookup
 from tests.contract.engine_tools import GREEDY, Recorder, engine_for, prompt
 from tests.fixtures.llm.models import FAMILIES, export_fixture, fixture_named
 from tests.fixtures.llm.reference import hf_greedy, hf_sampled
-from tests.models.speculation import K, proposal, spec_engine, spec_name, speculate
+from tests.models.speculation import PLAN, K, proposal, spec_engine, spec_name, speculate
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kept_proposals_generate_transformers_tokens(family: str) -> None:
     ids = prompt(10, seed=60)
     reference = hf_greedy(fixture_named(spec_name(family, "eager")).model(), ids, 20)
-    assert speculate(spec_engine(family, "eager"), "s", ids, reference) == reference
+    engine = spec_engine(family, "eager")
+    recorder = Recorder(engine)
+    assert speculate(engine, "s", ids, reference) == reference
+    widths = verification_widths(recorder)
+    assert set(widths) == {2, 3, K + 1} and widths[:3] == [4, 2, 3], "the narrowest width holding each proposal"
 
 
 @pytest.mark.slow
@@ -39,6 +43,12 @@ def test_inductor_verification_graph_generates_transformers_tokens() -> None:
     assert speculate(engine, "s", ids, reference) == reference
     windows = {window for name, window in recorder.windows() if name == "verification"}
     assert windows == {16, 20, 24, 28}, "the verification graph runs in the fewest blocks covering each call"
+    assert verification_widths(recorder) == [1 + n for n in PLAN], "a call computes the columns its proposal needs"
+
+
+def verification_widths(recorder: Recorder) -> list[int]:
+    """The columns per row of each verification call, in order (``input_ids [B, C]``)."""
+    return [args[0].shape[1] for name, args in recorder.calls if name == "verification"]
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])

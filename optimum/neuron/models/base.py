@@ -19,6 +19,7 @@ from .layers.attention import (
     AttentionOptions,
     ChunkContext,
     DecodeContext,
+    VerifyContext,
     attention_dims,
 )
 from .layers.embedding import ScaledEmbedding
@@ -100,7 +101,7 @@ class StaticDecoder(nn.Module):
         self.windows = sorted({w for w in layer_windows(family, hf_config) if w is not None})
         self.softcap = family.logit_softcap(hf_config)
         self.paged_attention = False
-        """Attend with the CPU kernels: token generation with the paged one, prefill chunks and verification rows
+        """Attend with the CPU kernels: token generation and verification rows with the paged one, prefill chunks
         with the chunk one (set for the graphs: `artifact.graph_decoder`)."""
         self.adapter_rows: AdapterRows | None = None
         """Multi-LoRA: the rows' adapter slots its LoRA projections read (`layers.lora.add_lora`); None without."""
@@ -160,7 +161,11 @@ class StaticDecoder(nn.Module):
             with selected_adapters(self.adapter_rows, adapter_ids):
                 h = self._hidden(input_ids, position_ids, kv_cache, ctx)
             return self._logits(h[:, -1])
-        ctx = ChunkContext.build(position_ids, slot_mapping, block_table, block, self.windows, self.paged_attention)
+        if spec.kind is GraphKind.VERIFICATION and self.paged_attention:
+            assert block_table is not None, "verification reads the cache"
+            ctx = VerifyContext.build(position_ids, slot_mapping, block_table, block, self.windows)
+        else:
+            ctx = ChunkContext.build(position_ids, slot_mapping, block_table, block, self.windows, self.paged_attention)
         with selected_adapters(self.adapter_rows, adapter_ids):
             h = self._hidden(input_ids, position_ids, kv_cache, ctx, image_rows)
         if spec.kind is GraphKind.VERIFICATION:  # every column of every row; the runtime keeps the real ones

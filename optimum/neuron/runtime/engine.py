@@ -427,19 +427,21 @@ class Engine:
 
     def _verify(self, decodes: list[Sequence], proposed: Drafts, result: StepResult, host: HostRows) -> None:
         """One verification call for every decoding sequence: row b feeds the last token of the sequence holding slot
-        b and the tokens proposed after it (none for some rows), then keeps what `speculation.accept` keeps. A row
+        b and the tokens proposed after it (none for some rows), padded to the narrowest width the graph runs at that
+        holds the longest proposal (`graphs.verification_widths`), then keeps what `speculation.accept` keeps. A row
         without a decoding sequence writes to the scratch block (invariant 9); a host-sampled sequence (never given
         drafts) has its first row's logits, the ones the token-generation graph would return, sampled by the
         HostSampler."""
         by_slot = {_held(s): s for s in decodes}
         reach = max(s.computed + len(proposed.get(s.seq_id, ())) + 1 for s in decodes)
-        spec, window, _ = self._graph(GraphKind.VERIFICATION, reach)
+        widest = 1 + max(len(proposed.get(s.seq_id, ())) for s in decodes)
+        spec, window, columns = self._graph(GraphKind.VERIFICATION, reach, tokens=widest)
         active = {
             slot: VerifyRow([s.tokens[-1], *proposed.get(s.seq_id, ())], s.computed, s.blocks)
             for slot, s in by_slot.items()
         }
         width = window // self.block_size
-        inputs = verify_rows(self.config.batch_size, active, spec.tokens, width, self.block_size)
+        inputs = verify_rows(self.config.batch_size, active, columns, width, self.block_size)
         if spec.adapters:
             inputs["adapter_ids"] = self._adapter_ids(by_slot)
         logits = self._call(spec, inputs).float().cpu()

@@ -1,8 +1,9 @@
 """Self-attention over the shared paged KV cache, for one graph kind at a time.
 
-`DecodeContext` (token generation: one token per batch row) and `ChunkContext` (context encoding / chunked prefill:
-one sequence's chunk) hold the per-call masks, the cache slot each token writes and the block table each row reads;
-each layer's `Attention` asks its context to attend and to write the new K/V into the cache.
+`DecodeContext` (token generation: one token per batch row), `ChunkContext` (context encoding / chunked prefill:
+one sequence's chunk; verification rows off the CPU kernels) and `VerifyContext` (verification on the CPU kernels:
+each row's columns as token-generation queries) hold the per-call masks, the cache slot each token writes and the
+block table each row reads; each layer's `Attention` asks its context to attend and to write the new K/V into the cache.
 
 A context holds one mask per attention window its decoder uses: the full-attention mask and one per
 sliding window (`masks.chunk_window_mask`, `masks.decode_window_mask`). Each layer passes its own window
@@ -120,6 +121,13 @@ class DecodeContext:
         """Write this step's K/V, then attend over each row's KV window (within ``window`` positions of its own
         for a sliding-window layer)."""
         write_stored(caches, self.slots, stored_kv(caches, k, v))
+        return self.read(q, caches, window, scale)
+
+    def read(
+        self, q: torch.Tensor, caches: list[torch.Tensor], window: int | None = None, scale: float | None = None
+    ) -> torch.Tensor:
+        """Attend ``q [B, Hq, 1, D]`` over each row's KV window as the cache holds it (the K/V of this step already
+        written)."""
         mask = self.mask_for(window)
         if self.kernel:
             rows = mask.reshape(mask.shape[0], mask.shape[-1])
@@ -196,7 +204,51 @@ class ChunkContext:
         return out
 
 
-AttentionContext = DecodeContext | ChunkContext
+@dataclass
+class VerifyContext:
+    """A verification call on the CPU kernels: column ``t`` of row ``b`` (a sequence's last token or a proposed one)
+    attends like a token-generation query at its own position, `DecodeContext` over the ``B * C`` columns, each reading
+    its row's block table with the paged kernel, once every column's K/V is written at ``slots[b, t]`` (a padded
+    column repeats the last real one's token and position, and writes to the scratch block: invariant 4). The chunk
+    kernel, built for long chunks, transposes each row's window values once per call and fills 16-column panels: for a
+    handful of columns per row it cost 3.5x the paged kernel's time at batch 8 (docs/speculative.md)."""
+
+    slots: torch.Tensor  # [B, C]
+    columns: DecodeContext  # one row per column, [B * C]
+
+    @classmethod
+    def build(
+        cls,
+        position_ids: torch.Tensor,
+        slots: torch.Tensor,
+        table: torch.Tensor,
+        block_size: int,
+        windows: Iterable[int] = (),
+    ) -> VerifyContext:
+        rows, cols = position_ids.shape
+        per_column = table[:, None, :].expand(rows, cols, table.shape[1]).reshape(rows * cols, table.shape[1])
+        flat = position_ids.reshape(rows * cols, 1)
+        columns = DecodeContext.build(flat, slots.reshape(rows * cols, 1), per_column, block_size, windows, True)
+        return cls(slots, columns)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        caches: list[torch.Tensor],
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Write every column's K/V, then attend each column over its row's window up to its own position (within
+        ``window`` positions for a sliding-window layer); ``q [B, Hq, C, D]`` -> ``[B, Hq, C, D]``."""
+        write_stored(caches, self.slots, stored_kv(caches, k, v))
+        rows, heads, cols, dim = q.shape
+        out = self.columns.read(q.transpose(1, 2).reshape(rows * cols, heads, 1, dim), caches, window, scale)
+        return out.reshape(rows, cols, heads, dim).transpose(1, 2)
+
+
+AttentionContext = DecodeContext | ChunkContext | VerifyContext
 
 
 @dataclass(frozen=True)
