@@ -68,8 +68,9 @@ class NeuronModelForCausalLM:
         unless ``use_prefix_cache`` is False (docs/architecture.md, "The paged KV cache"). ``prompt_lookup_num_tokens``
         k (transformers' prompt lookup decoding) proposes up to k tokens per step by matching the sequence's last
         n-gram against its earlier tokens and verifies them in one call of the verification graph (an artifact
-        exported with ``--speculation_length`` K >= k): the tokens are those generation picks without it, in fewer
-        steps when the output repeats its input (docs/speculative.md). ``adapter_name`` runs every row on a LoRA
+        exported with ``--speculation_length`` K >= k) at the steps where the call's measured times say verifying
+        pays: the tokens are those generation picks without it, in fewer steps when the output repeats its input
+        (docs/speculative.md). ``adapter_name`` runs every row on a LoRA
         adapter loaded with `load_adapter` (an artifact exported with ``--max_loras``; docs/lora.md)."""
         if unsupported:
             raise InputError(f"generate() does not support {sorted(unsupported)} on compiled graphs.")

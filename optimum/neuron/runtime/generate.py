@@ -1,6 +1,7 @@
 """HF-style generation as a thin adapter over the `Engine`: admit every prompt, prefill them all in one
 step, then one decode step at a time until each sequence stops (an EOS id, ``max_new_tokens``, or a
-full KV slot); with prompt lookup, each decode step verifies the tokens `speculation.propose_lookup` proposes.
+full KV slot); with prompt lookup, a decode step verifies the tokens `speculation.propose_lookup` proposes when
+`lookup_policy.LookupPolicy` finds that it pays.
 Row ``i`` samples with ``seed + i`` (modulo ``2**63``) when a seed is given. Every argument is
 checked before a slot is taken. `score_prompts` scores texts with
 the same engine path (prompt logprobs)."""
@@ -8,6 +9,8 @@ the same engine path (prompt logprobs)."""
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -17,6 +20,7 @@ from ..errors import InputError
 from .engine import Engine
 from .images import ImageInput
 from .logprobs import Logprobs
+from .lookup_policy import LookupPolicy
 from .sampling import SEED_LIMIT, SamplingParams, checked_count
 from .sequence import Sequence
 from .speculation import propose_lookup
@@ -47,8 +51,9 @@ def generate(
     prompt i, image-text artifacts). Each sequence takes, when admitted, the KV blocks of its whole run (prompt and
     ``max_new_tokens``), so a full pool is refused before anything runs; the blocks of a prompt prefix an earlier call
     computed are reused unless ``use_prefix_cache`` is off. With ``prompt_lookup`` k > 0 (an artifact exported with
-    ``--speculation_length`` K >= k), each decode step verifies up to k tokens proposed by prompt lookup: the same
-    tokens, fewer steps. Every row runs on the loaded LoRA ``adapter`` (None: the base model). Every slot and block
+    ``--speculation_length`` K >= k), a decode step verifies up to k tokens per sequence proposed by prompt lookup when
+    this call's measured step times say it pays (`lookup_policy.LookupPolicy`): the same tokens, in fewer steps or as
+    many. Every row runs on the loaded LoRA ``adapter`` (None: the base model). Every slot and block
     taken is given back, whatever happens."""
     _check_batch(engine, prompts, max_new_tokens)
     _check_lookup(engine, prompt_lookup)
@@ -69,15 +74,27 @@ def generate(
             for row, p in enumerate(prompts)
         ]
         work = {s.seq_id: s.pending for s in sequences}
-        drafts: dict[object, list[int]] = {}
+        drafts: dict[Hashable, list[int]] = {}
+        unverified: dict[Hashable, list[int]] = {}  # the proposals `policy` did not verify at this step
+        policy = LookupPolicy()
         while work:
+            start = time.perf_counter()
             result = engine.step(work, drafts=drafts)
+            if not result.prefills:  # a decode step (the first one prefills)
+                width = 1 + max(map(len, drafts.values()), default=0)
+                policy.record(len(work), width, time.perf_counter() - start, result.accepted)
+            for s in sequences:
+                if unverified.get(s.seq_id):
+                    policy.record_unverified(s.seq_id, unverified[s.seq_id], s.generated[-1])
             for row, seq_id in enumerate(ids):
                 if params.return_logits:
                     logits[row].extend(result.token_logits.get(seq_id, []))
             going = [s for s in sequences if not _stopped(s, max_new_tokens, eos_token_ids)]
             work = {s.seq_id: 1 for s in going}
             drafts = {s.seq_id: _proposal(s, prompt_lookup, max_new_tokens, eos_token_ids) for s in going}
+            unverified = {}
+            if not policy.verifies(len(work), drafts, _furthest_from_done(going)):
+                drafts, unverified = {}, drafts
     finally:
         for seq_id in ids:
             engine.release(seq_id)
@@ -146,6 +163,12 @@ def _proposal(sequence: Sequence, most: int, max_new_tokens: int, eos_token_ids:
     model's own one, fits in ``max_new_tokens``."""
     room = min(most, max_new_tokens - len(sequence.generated) - 1)
     return propose_lookup(sequence.tokens, room, eos_token_ids) if most else []
+
+
+def _furthest_from_done(going: list[Sequence]) -> list[Hashable]:
+    """The sequences with the fewest new tokens: the call ends with them, unless an EOS stops them first."""
+    fewest = min((len(s.generated) for s in going), default=0)
+    return [s.seq_id for s in going if len(s.generated) == fewest]
 
 
 def _row_params(params: SamplingParams, row: int) -> SamplingParams:

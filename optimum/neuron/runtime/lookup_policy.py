@@ -1,0 +1,112 @@
+"""When `generate(prompt_lookup_num_tokens=k)` verifies the tokens prompt lookup proposed (`LookupPolicy`): only at
+the steps where verifying pays, by the step times and kept tokens the call itself measures (docs/speculative.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+PROBE_EVERY = 16
+"""`LookupPolicy` runs the option its rule did not pick after this many steps with proposals, then after twice as many
+each time the rule's pick stays the same (reset when it changes), so that its measurements follow what the sequences
+and the machine do at a bounded cost."""
+SMOOTHING = 0.3
+"""Weight of the newest measurement in `LookupPolicy`'s running means."""
+KEPT_PRIOR = 0.5
+"""Proposed tokens a sequence is expected to keep per verification before anything was learned of it."""
+COST_PRIOR = 1.5
+"""`LookupPolicy`'s verification-to-step time ratio before a verification of as many sequences was measured: a
+sequence is verified first once its unverified proposals say it would keep more than half a token."""
+
+
+@dataclass
+class LookupPolicy:
+    """Whether a decode step of ``generate(prompt_lookup_num_tokens=k)`` verifies the tokens prompt lookup proposed, by
+    what this call measured. A step of ``rows`` decoding sequences, some of them with proposals, either runs the
+    token-generation graph (``rows`` tokens in time ``t(rows, 1)``) or one verification call as wide as its longest
+    proposal plus one (``rows`` tokens plus the kept proposals in ``t(rows, width)``). It verifies when the proposals
+    it expects to keep, the sum of each proposing sequence's running mean of kept tokens per verification, exceed
+    ``rows * (t(rows, width) / t(rows, 1) - 1)``: the tokens per second are then higher. A call that returns when its
+    last sequence is done (`generate`) counts steps instead: a verification shortens it only by what the sequences
+    furthest from done keep, so it verifies when the least that one of them is expected to keep exceeds
+    ``t(rows, width) / t(rows, 1) - 1`` (the same rule for one sequence). Step times are running means
+    per (rows, width), measured by `record`; an unmeasured width costs what the nearest measured one does, scaled by
+    its columns past the first (`cost`), and before any is, it is taken as `COST_PRIOR` times a step (which is
+    measured first). After `PROBE_EVERY` steps with proposals, then twice as many and so on
+    (times the cost ratio when the probe is a verification), a step runs the option the rule did not pick. At batch 1
+    on SmolLM2 a verification call costs ~1.2x a step and verifying pays for any sequence that keeps a fifth of a
+    token; at batch 8 it costs 1.6-3x (docs/speculative.md), more than a chat reply's proposals keep. The tokens are
+    the same either way (`accept`): only the number of steps changes."""
+
+    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Running mean of a decode step's seconds by (decoding sequences, columns per row)."""
+    kept: dict[Hashable, float] = field(default_factory=dict)
+    """Running mean of the proposed tokens each sequence kept per verification."""
+    pick: bool | None = None
+    """The rule's last pick."""
+    interval: int = PROBE_EVERY
+    """Steps with proposals between two probes (times the cost ratio of a verification probe)."""
+    waited: int = 0
+    """Steps with proposals since the last probe or change of pick."""
+
+    def verifies(
+        self, rows: int, proposals: Mapping[Hashable, Sequence[int]], behind: Collection[Hashable] = ()
+    ) -> bool:
+        """Whether the next decode step of ``rows`` sequences verifies ``proposals`` (by sequence id). With
+        ``behind``, the sequences furthest from done, the gain counted is the steps the call saves: the tokens the
+        least promising of them is expected to keep (0 if one of them proposes nothing), not the tokens of all."""
+        proposing = [seq_id for seq_id, p in proposals.items() if p]
+        step = self.seconds.get((rows, 1))
+        if not proposing or step is None:
+            return False  # nothing to verify, or the token-generation step is not measured yet
+        verify = self.cost(rows, 1 + max(len(proposals[s]) for s in proposing))
+        extra = (COST_PRIOR if verify is None else verify / step) - 1
+        if behind:
+            gain = min(self.kept.get(s, KEPT_PRIOR) if proposals.get(s) else 0.0 for s in behind)
+            pays = gain > extra
+        else:
+            gain = sum(self.kept.get(seq_id, KEPT_PRIOR) for seq_id in proposing)
+            pays = gain > rows * extra
+        if gain == 0.0:
+            return False  # a sequence the call waits for proposes nothing: nothing to gain, nothing to probe
+        if pays != self.pick:
+            self.pick, self.interval, self.waited = pays, PROBE_EVERY, 0
+        self.waited += 1
+        # a verification probe costs verify / step steps' time: it waits proportionally longer
+        if self.waited < self.interval * (1.0 if pays else 1.0 + extra):
+            return pays
+        self.interval *= 2
+        self.waited = 0
+        return not pays
+
+    def cost(self, rows: int, width: int) -> float | None:
+        """The expected seconds of a verification call of ``rows`` sequences at ``width`` columns: measured, else the
+        nearest measured width's extra time over a token-generation step scaled by ``(width - 1) / (nearest - 1)``;
+        None when no width of ``rows`` sequences (or their token-generation step) was measured."""
+        if (rows, width) in self.seconds:
+            return self.seconds[(rows, width)]
+        step = self.seconds.get((rows, 1))
+        known = [w for n, w in self.seconds if n == rows and w > 1]
+        if step is None or not known:
+            return None
+        nearest = min(known, key=lambda w: (abs(w - width), w))
+        return step + (self.seconds[(rows, nearest)] - step) * (width - 1) / (nearest - 1)
+
+    def record(self, rows: int, width: int, seconds: float, kept: Mapping[Hashable, int]) -> None:
+        """A decode step of ``rows`` sequences at ``width`` columns per row (1: token generation) took ``seconds``;
+        ``kept``: the proposed tokens each sequence that proposed kept."""
+        self.seconds[(rows, width)] = _running(self.seconds.get((rows, width)), seconds)
+        for seq_id, count in kept.items():
+            self.kept[seq_id] = _running(self.kept.get(seq_id, KEPT_PRIOR), float(count))
+
+    def record_unverified(self, seq_id: Hashable, proposed: Sequence[int], generated: int) -> None:
+        """A sequence whose proposal this policy did not verify generated ``generated``: had it been verified, it would
+        have kept nothing when ``generated`` is not the first proposed token, at least one token when it is; that
+        count (0 or 1, a lower bound) joins its mean, so a sequence whose proposals start matching again gets verified
+        without waiting for a probe."""
+        if proposed:
+            self.kept[seq_id] = _running(self.kept.get(seq_id, KEPT_PRIOR), float(proposed[0] == generated))
+
+
+def _running(mean: float | None, value: float) -> float:
+    return value if mean is None else mean + SMOOTHING * (value - mean)

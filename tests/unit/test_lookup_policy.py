@@ -1,0 +1,98 @@
+"""`runtime.lookup_policy.LookupPolicy`: whether a decode step of `generate(prompt_lookup_num_tokens=k)` verifies, from
+the step times and kept tokens it was given (no model: the times are made up)."""
+
+from __future__ import annotations
+
+import math
+
+from optimum.neuron.runtime.lookup_policy import KEPT_PRIOR, PROBE_EVERY, LookupPolicy
+
+
+def test_no_proposal_never_verifies() -> None:
+    assert not LookupPolicy().verifies(1, {"a": []})
+
+
+def test_it_measures_a_step_then_verifies_once_the_proposals_look_right() -> None:
+    policy = LookupPolicy()
+    assert not policy.verifies(1, {"a": [5, 6]}), "a token-generation step is measured first"
+    policy.record(1, 1, 0.010, {})
+    assert not policy.verifies(1, {"a": [5, 6]}), f"{KEPT_PRIOR} expected kept tokens: not above COST_PRIOR - 1"
+    policy.record_unverified("a", [5, 6], generated=5)
+    assert policy.verifies(1, {"a": [5, 6]}), "its first proposed token was right: a verification is tried"
+    policy.record(1, 3, 0.012, {"a": 2})
+    assert not policy.verifies(2, {"a": [5], "b": [6]}), "two sequences: their token-generation step first"
+
+
+def test_an_unmeasured_width_costs_the_nearest_one_scaled_by_its_columns() -> None:
+    policy = LookupPolicy(seconds={(1, 1): 0.010, (1, 3): 0.014, (2, 1): 0.011})
+    assert policy.cost(1, 3) == 0.014
+    assert abs(policy.cost(1, 5) - 0.018) < 1e-12 and abs(policy.cost(1, 2) - 0.012) < 1e-12
+    assert policy.cost(2, 3) is None and policy.cost(3, 3) is None
+
+
+def test_it_verifies_when_the_kept_tokens_repay_the_call() -> None:
+    """One sequence, a call at 1.2x a step: it pays while the sequence keeps more than 0.2 tokens per call."""
+    policy = LookupPolicy(seconds={(1, 1): 0.010, (1, 3): 0.012})
+    assert policy.verifies(1, {"a": [5, 6]}), f"unverified so far: {KEPT_PRIOR} kept tokens expected"
+    for _ in range(8):
+        policy.record(1, 3, 0.012, {"a": 0})
+    assert policy.kept["a"] < 0.2
+    assert not policy.verifies(1, {"a": [5, 6]})
+
+
+def test_at_batch_8_the_call_must_repay_every_row() -> None:
+    """8 sequences, a call at 3x a step: the proposing rows must keep more than 8 x 2 = 16 tokens between them."""
+    costs = {(8, 1): 0.020, (8, 7): 0.060}
+    rows = {i: [1, 2, 3, 4, 5, 6] for i in range(8)}
+    policy = LookupPolicy(seconds=dict(costs), kept={i: 1.4 for i in range(8)})
+    assert not policy.verifies(8, rows), "8 x 1.4 kept tokens do not repay 2 extra steps"
+    policy = LookupPolicy(seconds=dict(costs), kept={i: 2.5 for i in range(8)})
+    assert policy.verifies(8, rows), "8 x 2.5 do"
+
+
+def test_it_probes_the_other_option_ever_less_often_while_its_pick_holds() -> None:
+    policy = LookupPolicy(seconds={(1, 1): 0.010, (1, 3): 0.012}, kept={"a": 2.0})
+    picks = [policy.verifies(1, {"a": [5, 6]}) for _ in range(7 * PROBE_EVERY)]
+    probes = [i + 1 for i, verified in enumerate(picks) if not verified]
+    assert probes == [PROBE_EVERY, 3 * PROBE_EVERY, 7 * PROBE_EVERY]
+    policy.kept["a"] = 0.01  # the pick changes: probes start again, a verification probe after 1.2x as many steps
+    picks = [policy.verifies(1, {"a": [5, 6]}) for _ in range(2 * PROBE_EVERY)]
+    assert [i + 1 for i, verified in enumerate(picks) if verified] == [math.ceil(1.2 * PROBE_EVERY)]
+
+
+def test_measurements_are_running_means() -> None:
+    policy = LookupPolicy()
+    policy.record(2, 1, 0.010, {})
+    policy.record(2, 1, 0.020, {})
+    assert 0.010 < policy.seconds[(2, 1)] < 0.020
+    policy.record(2, 3, 0.015, {"a": 3, "b": 0})
+    assert policy.kept["a"] > KEPT_PRIOR > policy.kept["b"]
+
+
+def test_a_proposal_left_unverified_still_informs_the_mean() -> None:
+    """Not verified, a proposal whose first token is the one generated would have kept at least one token."""
+    policy = LookupPolicy(seconds={(1, 1): 0.010, (1, 3): 0.012}, kept={"a": 0.1})
+    assert not policy.verifies(1, {"a": [5, 6]})
+    policy.record_unverified("a", [5, 6], generated=5)
+    assert policy.kept["a"] > 0.2 and policy.verifies(1, {"a": [5, 6]})
+    policy.record_unverified("a", [7, 8], generated=9)
+    policy.record_unverified("a", [], generated=9)  # no proposal: nothing learned
+    assert 0.1 < policy.kept["a"] < 0.4
+
+
+def test_a_call_that_waits_for_its_last_sequence_counts_the_steps_saved() -> None:
+    """``behind``: a verification saves steps only if the sequences furthest from done keep tokens."""
+    costs = {(2, 1): 0.010, (2, 3): 0.014}
+    policy = LookupPolicy(seconds=dict(costs), kept={"fast": 2.0, "slow": 0.0})
+    proposals = {"fast": [5, 6], "slow": [7, 8]}
+    assert policy.verifies(2, proposals), "2 + 0 kept tokens repay 2 x 0.4 steps of time"
+    policy = LookupPolicy(seconds=dict(costs), kept={"fast": 2.0, "slow": 0.0})
+    assert not policy.verifies(2, proposals, behind=["slow"]), "the slow one ends the call and keeps nothing"
+    assert not policy.verifies(2, {"fast": [5, 6]}, behind=["slow", "fast"]), "one of them proposes nothing"
+    policy = LookupPolicy(seconds=dict(costs), kept={"fast": 2.0, "slow": 1.0})
+    assert policy.verifies(2, proposals, behind=["slow"])
+
+
+def test_nothing_to_gain_is_never_probed() -> None:
+    policy = LookupPolicy(seconds={(2, 1): 0.010, (2, 3): 0.014}, kept={"a": 3.0})
+    assert not any(policy.verifies(2, {"a": [5, 6]}, behind=["a", "b"]) for _ in range(8 * PROBE_EVERY))
