@@ -96,3 +96,9 @@ def test_a_call_that_waits_for_its_last_sequence_counts_the_steps_saved() -> Non
 def test_nothing_to_gain_is_never_probed() -> None:
     policy = LookupPolicy(seconds={(2, 1): 0.010, (2, 3): 0.014}, kept={"a": 3.0})
     assert not any(policy.verifies(2, {"a": [5, 6]}, behind=["a", "b"]) for _ in range(8 * PROBE_EVERY))
+
+
+def test_untimed_it_verifies_every_proposal() -> None:
+    """Tensor-parallel ranks (``timed=False``): the same decision on every rank, whatever their clocks."""
+    policy = LookupPolicy(timed=False, seconds={(1, 1): 0.010, (1, 3): 0.030}, kept={"a": 0.0})
+    assert policy.verifies(1, {"a": [5, 6]}) and not policy.verifies(1, {"a": []})

@@ -76,7 +76,7 @@ def generate(
         work = {s.seq_id: s.pending for s in sequences}
         drafts: dict[Hashable, list[int]] = {}
         unverified: dict[Hashable, list[int]] = {}  # the proposals `policy` did not verify at this step
-        policy = LookupPolicy()
+        policy = LookupPolicy(timed=engine.config.tp_degree == 1)
         while work:
             start = time.perf_counter()
             result = engine.step(work, drafts=drafts)

@@ -38,6 +38,9 @@ class LookupPolicy:
     token; at batch 8 it costs 1.6-3x (docs/speculative.md), more than a chat reply's proposals keep. The tokens are
     the same either way (`accept`): only the number of steps changes."""
 
+    timed: bool = True
+    """False: verify every proposal. Tensor-parallel ranks each run this loop in lockstep and must call the same
+    graphs, which decisions from each rank's own clock would not guarantee."""
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     """Running mean of a decode step's seconds by (decoding sequences, columns per row)."""
     kept: dict[Hashable, float] = field(default_factory=dict)
@@ -56,6 +59,8 @@ class LookupPolicy:
         ``behind``, the sequences furthest from done, the gain counted is the steps the call saves: the tokens the
         least promising of them is expected to keep (0 if one of them proposes nothing), not the tokens of all."""
         proposing = [seq_id for seq_id, p in proposals.items() if p]
+        if not self.timed:
+            return bool(proposing)
         step = self.seconds.get((rows, 1))
         if not proposing or step is None:
             return False  # nothing to verify, or the token-generation step is not measured yet
