@@ -12,6 +12,13 @@ if ! gpus=$("$SMI" --query-gpu=name --format=csv,noheader 2>/dev/null) || [ -z "
   exit 0
 fi
 gpu=$(echo "$gpus" | head -n 1 | tr ' ' '-' | tr -cd 'A-Za-z0-9._-')
+# AOTInductor compiles and links with $CXX. A relocated gcc (the lent GPU machines' image sets CXX=/opt/gcc/bin/g++)
+# can link a static libstdc++ into every package, which then segfaults when loaded beside torch's shared one
+# (docs/cuda.md, fourth run): build with the system compiler where there is one.
+if [ -n "${CXX:-}" ] && [ "$CXX" != /usr/bin/g++ ] && [ -x /usr/bin/g++ ]; then
+  echo "test-cuda: CXX=$CXX replaced by /usr/bin/g++ (a static libstdc++ in a package crashes its load: docs/cuda.md)"
+  export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+fi
 echo "test-cuda: $gpus"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
