@@ -22,7 +22,7 @@ from .images import ImageInput
 from .logprobs import Logprobs
 from .lookup_policy import LookupPolicy
 from .sampling import SEED_LIMIT, SamplingParams, checked_count
-from .sequence import Sequence
+from .sequence import Sequence, StepResult
 from .speculation import propose_lookup
 
 
@@ -74,31 +74,54 @@ def generate(
             for row, p in enumerate(prompts)
         ]
         work = {s.seq_id: s.pending for s in sequences}
-        drafts: dict[Hashable, list[int]] = {}
-        unverified: dict[Hashable, list[int]] = {}  # the proposals `policy` did not verify at this step
-        policy = LookupPolicy(timed=engine.config.tp_degree == 1)
+        lookup = _Lookup(prompt_lookup, LookupPolicy(timed=engine.config.tp_degree == 1)) if prompt_lookup else None
         while work:
             start = time.perf_counter()
-            result = engine.step(work, drafts=drafts)
-            if not result.prefills:  # a decode step (the first one prefills)
-                width = 1 + max(map(len, drafts.values()), default=0)
-                policy.record(len(work), width, time.perf_counter() - start, result.accepted)
-            for s in sequences:
-                if unverified.get(s.seq_id):
-                    policy.record_unverified(s.seq_id, unverified[s.seq_id], s.generated[-1])
+            result = engine.step(work, drafts=lookup.drafts if lookup else {})
+            if lookup:
+                lookup.observe(len(work), result, time.perf_counter() - start, sequences)
             for row, seq_id in enumerate(ids):
                 if params.return_logits:
                     logits[row].extend(result.token_logits.get(seq_id, []))
             going = [s for s in sequences if not _stopped(s, max_new_tokens, eos_token_ids)]
             work = {s.seq_id: 1 for s in going}
-            drafts = {s.seq_id: _proposal(s, prompt_lookup, max_new_tokens, eos_token_ids) for s in going}
-            unverified = {}
-            if not policy.verifies(len(work), drafts, _furthest_from_done(going)):
-                drafts, unverified = {}, drafts
+            if lookup:
+                lookup.propose(going, max_new_tokens, eos_token_ids)
     finally:
         for seq_id in ids:
             engine.release(seq_id)
     return Generation([s.generated for s in sequences], logits if params.return_logits else [])
+
+
+@dataclass
+class _Lookup:
+    """`generate`'s prompt lookup: each step's proposals of at most ``most`` tokens per sequence, verified at the next
+    step when ``policy`` finds that it pays, and what the policy learns from each step."""
+
+    most: int
+    policy: LookupPolicy
+    drafts: dict[Hashable, list[int]] = field(default_factory=dict)
+    """The proposals the next step verifies."""
+    unverified: dict[Hashable, list[int]] = field(default_factory=dict)
+    """The proposals the policy did not verify at the next step."""
+
+    def observe(self, rows: int, result: StepResult, seconds: float, sequences: Seq[Sequence]) -> None:
+        """Record a step of ``rows`` sequences that took ``seconds`` (a decode step's time and kept tokens; what each
+        unverified proposal would have kept, by the token its sequence generated)."""
+        if not result.prefills:  # a decode step (the first one prefills)
+            width = 1 + max(map(len, self.drafts.values()), default=0)
+            self.policy.record(rows, width, seconds, result.accepted)
+        for s in sequences:
+            if self.unverified.get(s.seq_id):
+                self.policy.record_unverified(s.seq_id, self.unverified[s.seq_id], s.generated[-1])
+
+    def propose(self, going: list[Sequence], max_new_tokens: int, eos_token_ids: set[int]) -> None:
+        """Prompt lookup's proposals after each of ``going``, for the next step to verify or not."""
+        proposals = {s.seq_id: _proposal(s, self.most, max_new_tokens, eos_token_ids) for s in going}
+        if self.policy.verifies(len(going), proposals, _furthest_from_done(going)):
+            self.drafts, self.unverified = proposals, {}
+        else:
+            self.drafts, self.unverified = {}, proposals
 
 
 def generate_tokens(
@@ -159,10 +182,10 @@ def _check_lookup(engine: Engine, prompt_lookup: int) -> None:
 
 
 def _proposal(sequence: Sequence, most: int, max_new_tokens: int, eos_token_ids: set[int]) -> list[int]:
-    """Prompt lookup's proposal for ``sequence`` (none without ``most``), cut so that every proposed token, then the
+    """Prompt lookup's proposal of at most ``most`` tokens for ``sequence``, cut so that every proposed token, then the
     model's own one, fits in ``max_new_tokens``."""
     room = min(most, max_new_tokens - len(sequence.generated) - 1)
-    return propose_lookup(sequence.tokens, room, eos_token_ids) if most else []
+    return propose_lookup(sequence.tokens, room, eos_token_ids)
 
 
 def _furthest_from_done(going: list[Sequence]) -> list[Hashable]:
