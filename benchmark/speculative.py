@@ -17,7 +17,9 @@ Workloads, greedy, a fixed number of new tokens (EOS does not stop them):
 
 Per workload, batch and k (0: no speculation), in a fresh process after one warm-up call: output tokens per second
 (every prompt's new tokens over the wall time of the `generate` calls), and tokens per decode step (new tokens over
-the engine steps that decode). Every k's tokens are checked equal to k = 0's. Rounds interleave the k values.
+the engine steps that decode); batch 8 runs 8 prompts in one `generate` call, or 16 through vLLM (more requests than
+slots), and ``--draft`` measures batch 1 only (the draft artifact holds one sequence). Every k's tokens are checked
+equal to k = 0's. Rounds interleave the k values.
 Results: ``benchmark/results/<machine>/speculative.md`` and ``.json`` (``speculative-vllm.*`` with ``--vllm``, where
 tokens per decode step come from the runner's step records and the kept share of the drafts from vLLM's spec-decode
 counters).
@@ -147,11 +149,11 @@ def measure(artifact: str, workload: str, count: int, new: int, lookup: int) -> 
 
 
 def measure_vllm(
-    artifact: str, workload: str, count: int, new: int, lookup: int, draft: str | None = None
+    artifact: str, workload: str, count: int, new: int, lookup: int, draft: str | None = None, every: bool = False
 ) -> dict[str, Any]:
     """`measure` through ``vllm.LLM`` (all prompts in one ``generate`` call, vLLM's n-gram proposer, or the draft
-    artifact ``draft``, drafting ``lookup`` tokens; 0: no speculation), plus the share of the drafted tokens the
-    verification kept."""
+    artifact ``draft``, drafting ``lookup`` tokens; 0: no speculation; ``every``: every n-gram proposal verified, the
+    worker's gate off), plus the share of the drafted tokens the verification kept."""
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -159,7 +161,8 @@ def measure_vllm(
     if lookup:
         method = {"method": "draft_model", "model": draft} if draft else {"method": "ngram", "prompt_lookup_max": 2}
         spec = {**method, "num_speculative_tokens": lookup}
-    llm = LLM(model=artifact, seed=0, speculative_config=spec, disable_log_stats=False)
+    extra = {"verify_every_proposal": True} if every else {}
+    llm = LLM(model=artifact, seed=0, speculative_config=spec, additional_config=extra, disable_log_stats=False)
     tokenizer = AutoTokenizer.from_pretrained(artifact)
     texts = prompts(workload, count)
     chats = [
@@ -194,8 +197,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (each cell: the median)")
     parser.add_argument("--new", type=int, default=96, help="new tokens per prompt")
     parser.add_argument("--machine", default="cpu-2core", help="results subfolder name")
-    parser.add_argument("--vllm", action="store_true", help="through vllm.LLM and vLLM's n-gram proposer, batch 1")
+    parser.add_argument("--vllm", action="store_true", help="through vllm.LLM and vLLM's n-gram proposer")
     parser.add_argument("--draft", help="with --vllm: a draft artifact instead, int8, int4 or layers:N of SmolLM2")
+    parser.add_argument(
+        "--verify-every", action="store_true", help="with --vllm: the worker's gate off (every proposal verified)"
+    )
     args = parser.parse_args()
     if args.worker:
         spec = json.loads(args.worker)
@@ -205,25 +211,26 @@ def main() -> None:
     from optimum.neuron.progress import StepProgress
     from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
 
-    batches, lookups, new = ((1,), (0, 4), 32) if args.quick else ((1,) if args.vllm else (1, 8), LOOKUPS, args.new)
+    batches, lookups, new = ((1,), (0, 4), 32) if args.quick else ((1,) if args.draft else (1, 8), LOOKUPS, args.new)
     model_dir = convert_smollm2(default_smollm2_dir("fp32"), dtype="fp32")
     artifacts = {batch: str(export_for(model_dir, batch)) for batch in batches}
     draft = str(draft_for(model_dir, args.draft)) if args.draft else None
     cells = [(w, b, k) for w in ("copy", "chat") for b in batches for k in lookups]
+    every = {"every": True} if args.verify_every else {}
     samples: dict[str, list[dict[str, Any]]] = {}
     with StepProgress("benchmark prompt-lookup speculation", args.rounds * len(cells)) as bar:
         for _ in range(args.rounds):
             for workload, batch, lookup in cells:
-                count = 2 if args.quick else (4 if batch == 1 else 8)
+                count = 2 if args.quick else prompt_count(batch, args.vllm)
                 with bar.step(f"{workload}, batch {batch}, k {lookup}"):
                     spec = {"artifact": artifacts[batch], "workload": workload, "count": count, "new": new}
                     found = run_worker(
                         "benchmark.speculative",
-                        {**spec, "lookup": lookup, "vllm": args.vllm, **({"draft": draft} if draft else {})},
+                        {**spec, "lookup": lookup, "vllm": args.vllm, **({"draft": draft} if draft else {}), **every},
                     )
                     samples.setdefault(f"{workload} b{batch} k{lookup}", []).append(found)
     body = {"machine": describe(), "rounds": args.rounds, "new": new, "lookups": list(lookups), "cells": {}}
-    body["vllm"], body["draft"] = args.vllm, args.draft
+    body["vllm"], body["draft"], body["verify_every"] = args.vllm, args.draft, args.verify_every
     for key, runs in samples.items():
         body["cells"][key] = {
             "tok_s": statistics.median(r["tok_s"] for r in runs),
@@ -232,8 +239,15 @@ def main() -> None:
             "tokens": runs[0]["tokens"],
         }
     drafted = f"-draft-{args.draft.replace(':', '')}" if args.draft else ""
-    name = "speculative" + ("-vllm" if args.vllm else "") + drafted + ("-quick" if args.quick else "")
+    everyone = "-every" if args.verify_every else ""
+    name = "speculative" + ("-vllm" if args.vllm else "") + drafted + everyone + ("-quick" if args.quick else "")
     save_results(RESULTS / args.machine / f"{name}.json", body, render(body, batches))
+
+
+def prompt_count(batch: int, vllm: bool) -> int:
+    """Prompts per cell: 4 at batch 1; at batch 8, 8 in one `generate` call, or 16 through vLLM, whose scheduler admits
+    a waiting request as soon as a running one finishes (more requests than slots)."""
+    return 4 if batch == 1 else (16 if vllm else 8)
 
 
 def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
@@ -244,6 +258,9 @@ def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
     if draft:
         through, title = f"`vllm.LLM`, the draft artifact `{draft}` of SmolLM2", "Draft-model speculative decoding"
     flags = (" --vllm" if vllm else "") + (f" --draft {draft}" if draft else "")
+    flags += " --verify-every" if body.get("verify_every") else ""
+    if vllm and not draft:
+        through += " with every proposal verified" if body.get("verify_every") else ", gated by `DraftGate`"
     lines = [
         f"# {title} ({through}): SmolLM2-135M-Instruct fp32, inductor, CPU",
         "",

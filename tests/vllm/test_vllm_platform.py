@@ -81,6 +81,8 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
     speculating = engine_config(spec3, speculative_config=NGRAM)  # vLLM's n-gram drafts, verified by the artifact
     assert speculating.speculative_config.num_speculative_tokens == 3
     assert not speculating.scheduler_config.async_scheduling, "the worker drafts between synchronous steps"
+    every = {"verify_every_proposal": True}  # n-gram proposals verified even where that does not pay
+    assert engine_config(spec3, speculative_config=NGRAM, additional_config=every).additional_config == every
     lora2 = export_fixture("llama-2x4x8-lora2-eager")  # two adapter slots of rank 8
     lora = engine_config(lora2, enable_lora=True, max_loras=2, max_lora_rank=8).lora_config
     assert (lora.max_loras, lora.max_lora_rank) == (2, 8)
@@ -103,6 +105,8 @@ def test_limits_come_from_the_artifact_and_excess_is_refused(tmp_path: Path) -> 
         ({"model": spec3, "speculative_config": NGRAM, "async_scheduling": True}, ["async scheduling is only"]),
         ({"model": spec3, "speculative_config": {**NGRAM, "method": "ngram_gpu"}}, ["'ngram_gpu'", "draft_model"]),
         ({"model": spec3, "speculative_config": drafting, "async_scheduling": True}, ["--async-scheduling"]),
+        ({"additional_config": {"verify_every": True}}, ["['verify_every']", '{"verify_every_proposal": true}']),
+        ({"additional_config": {"verify_every_proposal": "yes"}}, ['"verify_every_proposal" takes true or false']),
         ({"enable_lora": True, "max_lora_rank": 8}, ["--enable-lora", "--max_loras N", "docs/lora.md"]),
         ({"model": lora2, "enable_lora": True, "max_loras": 3, "max_lora_rank": 8}, ["--max-loras 2", "--max_loras 3"]),
         ({"model": lora2, "enable_lora": True, "max_lora_rank": 16}, ["--max-lora-rank 8", "--max_lora_rank 16"]),

@@ -58,7 +58,8 @@ def test_ngram_speculation_serves_transformers_tokens_and_counts_what_it_kept() 
     from optimum.neuron.runtime.sampling import SamplingParams as OurParams
 
     artifact, model = export_fixture(FIXTURE), tiny_model("llama")
-    llm = LLM(model=str(artifact), seed=0, speculative_config=NGRAM, disable_log_stats=False)
+    every = {"verify_every_proposal": True}  # the tiny model's few steps would not teach `DraftGate` that it pays
+    llm = LLM(model=str(artifact), seed=0, speculative_config=NGRAM, additional_config=every, disable_log_stats=False)
     prompts = [prompt(seed) for seed in COPYING]
     news = [SEQUENCE_LENGTH - len(p) for p in prompts]  # to the end of the cache: drafts are cut at its edge
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in news]

@@ -1,5 +1,6 @@
-"""When `generate(prompt_lookup_num_tokens=k)` verifies the tokens prompt lookup proposed (`LookupPolicy`): only at
-the steps where verifying pays, by the step times and kept tokens the call itself measures (docs/speculative.md)."""
+"""When the tokens prompt lookup proposed are verified (`LookupPolicy`), in `generate(prompt_lookup_num_tokens=k)` and
+for vLLM's n-gram proposer (`vllm.drafting.DraftGate`): only at the steps where verifying pays, by the step times and
+kept tokens measured while serving (docs/speculative.md)."""
 
 from __future__ import annotations
 
@@ -21,18 +22,18 @@ sequence is verified first once its unverified proposals say it would keep more 
 
 @dataclass
 class LookupPolicy:
-    """Whether a decode step of ``generate(prompt_lookup_num_tokens=k)`` verifies the tokens prompt lookup proposed, by
-    what this call measured. A step of ``rows`` decoding sequences, some of them with proposals, either runs the
-    token-generation graph (``rows`` tokens in time ``t(rows, 1)``) or one verification call as wide as its longest
-    proposal plus one (``rows`` tokens plus the kept proposals in ``t(rows, width)``). It verifies when the proposals
-    it expects to keep, the sum of each proposing sequence's running mean of kept tokens per verification, exceed
-    ``rows * (t(rows, width) / t(rows, 1) - 1)``: the tokens per second are then higher. A call that returns when its
-    last sequence is done (`generate`) counts steps instead: a verification shortens it only by what the sequences
-    furthest from done keep, so it verifies when the least that one of them is expected to keep exceeds
-    ``t(rows, width) / t(rows, 1) - 1`` (the same rule for one sequence). Step times are running means
-    per (rows, width), measured by `record`; an unmeasured width costs what the nearest measured one does, scaled by
-    its columns past the first (`cost`), and before any is, it is taken as `COST_PRIOR` times a step (which is
-    measured first). After `PROBE_EVERY` steps with proposals, then twice as many and so on
+    """Whether a decode step verifies the tokens prompt lookup proposed, by what was measured while serving. A step of
+    ``rows`` decoding sequences, some of them with proposals, either runs the token-generation graph (``rows`` tokens
+    in time ``t(rows, 1)``) or one verification call as wide as its longest proposal plus one (``rows`` tokens plus the
+    kept proposals in ``t(rows, width)``). It verifies when the proposals it expects to keep, the sum of each proposing
+    sequence's running mean of kept tokens per verification, exceed ``rows * (t(rows, width) / t(rows, 1) - 1)``: the
+    tokens per second are then higher (vLLM's continuous batching, where no request waits for another:
+    `vllm.drafting.DraftGate`). A call that returns when its last sequence is done (`generate`) counts steps instead:
+    a verification shortens it only by what the sequences furthest from done keep, so it verifies when the least that
+    one of them is expected to keep exceeds ``t(rows, width) / t(rows, 1) - 1`` (the same rule for one sequence). Step
+    times are running means per (rows, width), measured by `record`; an unmeasured width costs what the nearest
+    measured one does, scaled by its columns past the first (`cost`), and before any is, it is taken as `COST_PRIOR`
+    times a step (which is measured first). After `PROBE_EVERY` steps with proposals, then twice as many and so on
     (times the cost ratio when the probe is a verification), a step runs the option the rule did not pick. At batch 1
     on SmolLM2 a verification call costs ~1.2x a step and verifying pays for any sequence that keeps a fifth of a
     token; at batch 8 it costs 1.6-3x (docs/speculative.md), more than a chat reply's proposals keep. The tokens are
@@ -101,8 +102,18 @@ class LookupPolicy:
         """A decode step of ``rows`` sequences at ``width`` columns per row (1: token generation) took ``seconds``;
         ``kept``: the proposed tokens each sequence that proposed kept."""
         self.seconds[(rows, width)] = _running(self.seconds.get((rows, width)), seconds)
+        self.record_kept(kept)
+
+    def record_kept(self, kept: Mapping[Hashable, int]) -> None:
+        """``kept``: the proposed tokens each sequence that proposed kept at a verification (whose time, shared with a
+        prefill, says nothing of a decode step's)."""
         for seq_id, count in kept.items():
             self.kept[seq_id] = _running(self.kept.get(seq_id, KEPT_PRIOR), float(count))
+
+    def forget(self, seq_ids: Collection[Hashable]) -> None:
+        """Drop what was learned of ``seq_ids`` (finished sequences)."""
+        for seq_id in seq_ids:
+            self.kept.pop(seq_id, None)
 
     def record_unverified(self, seq_id: Hashable, proposed: Sequence[int], generated: int) -> None:
         """A sequence whose proposal this policy did not verify generated ``generated``: had it been verified, it would

@@ -16,6 +16,7 @@ is vLLM's rejection sampling for a point-mass draft distribution: outputs are di
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -23,9 +24,12 @@ import numpy as np
 from ..artifact import Artifact
 from ..errors import InputError, SlotError
 from ..runtime.engine import Engine
+from ..runtime.lookup_policy import LookupPolicy
 from ..runtime.sampling import SamplingParams
 from ..runtime.speculation import unverifiable
 from . import compat
+from .platform import VERIFY_EVERY
+from .runner import StepOutput
 
 logger = compat.logger(__name__)
 
@@ -36,6 +40,13 @@ def draftable(engine: Engine, req_id: str, k: int) -> tuple[list[int], int]:
     sequence = engine.sequence(req_id)
     most = 0 if k <= 0 or unverifiable(sequence) else min(k, engine.admission.draft_room(sequence))
     return (list(sequence.tokens), most) if most else ([], 0)
+
+
+def gate_for(vllm_config: Any, drafter: NgramDrafter | ModelDrafter | None) -> DraftGate | None:
+    """The gate of an n-gram drafter (`DraftGate`), unless ``--additional-config '{"verify_every_proposal": true}'``
+    asks for every proposal to be verified (a draft model's always are)."""
+    every = (vllm_config.additional_config or {}).get(VERIFY_EVERY, False)
+    return DraftGate() if isinstance(drafter, NgramDrafter) and not every else None
 
 
 def drafter_for(vllm_config: Any, rank: int) -> NgramDrafter | ModelDrafter | None:
@@ -82,6 +93,43 @@ class NgramDrafter:
         drafts = self.proposer.propose(k, wanted, lengths, history)
         kept = [list(map(int, d))[:most] for d, (_, most) in zip(drafts, rows, strict=True)]
         return compat.draft_token_ids(list(req_ids), kept)
+
+
+class DraftGate:
+    """Which of the n-gram drafter's proposals vLLM is given: those `LookupPolicy` finds worth verifying, by its
+    throughput rule (vLLM's steps serve every running request, none waits for another), on the decode steps this
+    worker timed; a withheld proposal costs nothing (vLLM schedules a plain token-generation step) and teaches the
+    policy what it would have kept, by the token its request sampled instead. Prompt lookup's own cost is small; a
+    draft model's is not, and it is not gated: its proposals are always verified."""
+
+    def __init__(self) -> None:
+        self.policy = LookupPolicy()
+        self.withheld: dict[str, list[int]] = {}
+        """The proposals held back from the next step."""
+
+    def observe(self, step: compat.Step, out: StepOutput, seconds: float) -> None:
+        """Learn from ``step``, which took ``seconds``: a decode-only step's time at its width (1 + its longest
+        verified proposal), each verification's kept tokens, each withheld proposal's counterfactual."""
+        self.policy.forget(step.finished)
+        verified = [len(t) for r, t in step.spec_tokens.items() if r in out.accepted]
+        kept: dict[Hashable, int] = {r: n for r, n in out.accepted.items()}
+        if out.decodes and not out.prefilled:
+            self.policy.record(out.decodes, 1 + max(verified, default=0), seconds, kept)
+        else:
+            self.policy.record_kept(kept)
+        for req_id, proposed in self.withheld.items():
+            if out.sampled.get(req_id):
+                self.policy.record_unverified(req_id, proposed, out.sampled[req_id][0])
+        self.withheld = {}
+
+    def admit(self, drafts: Any) -> Any:
+        """``drafts`` (vLLM's ``DraftTokenIds``), or the same requests with no proposals when verifying them would not
+        pay."""
+        proposals = dict(zip(drafts.req_ids, drafts.draft_token_ids, strict=True))
+        if self.policy.verifies(len(proposals), proposals):
+            return drafts
+        self.withheld = {r: list(p) for r, p in proposals.items() if p}
+        return compat.draft_token_ids(list(drafts.req_ids), [[] for _ in drafts.req_ids])
 
 
 GREEDY = SamplingParams()

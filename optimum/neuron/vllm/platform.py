@@ -25,6 +25,8 @@ from .sampling import check_request
 from .supervision import watch_engine_cores
 
 logger = compat.logger(__name__)
+VERIFY_EVERY = "verify_every_proposal"
+"""The ``--additional-config`` key that turns n-gram speculation's `drafting.DraftGate` off."""
 
 _Platform, _PlatformEnum = compat.platform_base()
 
@@ -206,6 +208,20 @@ def check_speculation(vllm_config: Any, neuron: NeuronConfig, asked_async: bool 
         check_draft_artifact(spec.draft_model_config.model, neuron)
 
 
+def check_additional_config(vllm_config: Any) -> None:
+    """``--additional-config`` holds only what this platform reads: ``{"verify_every_proposal": true|false}`` (with
+    n-gram speculation, verify every proposal instead of only where it pays, `drafting.DraftGate`)."""
+    extra = vllm_config.additional_config or {}
+    unknown = sorted(set(extra) - {VERIFY_EVERY})
+    if unknown:
+        raise IncompatibleConfigError(
+            f"--additional-config keys {unknown} mean nothing to optimum-neuronx: the one it reads is "
+            f'{{"{VERIFY_EVERY}": true}} (with n-gram speculation, verify every proposal).'
+        )
+    if not isinstance(extra.get(VERIFY_EVERY, False), bool):
+        raise IncompatibleConfigError(f'--additional-config "{VERIFY_EVERY}" takes true or false.')
+
+
 def check_draft_artifact(draft: str, neuron: NeuronConfig) -> None:
     """A draft model must be an artifact of this toolkit (`drafting.ModelDrafter` runs it in an engine of its own):
     one rank, a chunked-prefill graph (its sequences are rewound and resume mid-prompt) and as many slots as the
@@ -311,6 +327,7 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         check_sampling_config(vllm_config.model_config)
         asked = self._take_asked(vllm_config)
         check_speculation(vllm_config, neuron, asked.async_scheduling)
+        check_additional_config(vllm_config)
         check_lora(vllm_config, neuron)
         vllm_config.parallel_config.worker_cls = "optimum.neuron.vllm.worker.NeuronxWorker"
         speculating = vllm_config.speculative_config is not None

@@ -59,6 +59,12 @@ class StepOutput:
     """The prompt logprobs of the requests that ask them, at the step their prompt completes."""
     failed: dict[str, str] = field(default_factory=dict)
     """Requests the step could not run, with why: each was released (its KV slot is free) and sampled nothing."""
+    accepted: dict[str, int] = field(default_factory=dict)
+    """The proposed tokens each request whose proposal was verified kept."""
+    decodes: int = 0
+    """Requests the step decoded (a proposal's verification counts as one)."""
+    prefilled: bool = False
+    """Whether the step also fed prompt tokens."""
 
 
 class Runner:
@@ -93,7 +99,17 @@ class Runner:
         self._record(result)
         scheduled = list(step.num_scheduled_tokens)
         sampled = {r: self._new_tokens(result, r) for r in scheduled}
-        return StepOutput(scheduled, sampled, result.logprobs, result.prompt_logprobs, failed)  # type: ignore[arg-type]
+        accepted = {str(r): n for r, n in result.accepted.items()}
+        return StepOutput(
+            scheduled,
+            sampled,
+            result.logprobs,  # type: ignore[arg-type]
+            result.prompt_logprobs,  # type: ignore[arg-type]
+            failed,
+            accepted,
+            len(result.decodes),
+            bool(result.prefills),
+        )
 
     def _new_tokens(self, result: StepResult, req_id: str) -> list[int]:
         """The tokens ``req_id`` gained this step: the proposed ones the verification kept, then its own one."""

@@ -14,6 +14,7 @@ stop token) may already be in step N+1: it decodes once more, vLLM drops that to
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -25,7 +26,7 @@ from ..modeling import NeuronModelForCausalLM
 from ..models.layers.kv_cache import cache_bytes, tensors_per_layer
 from ..runtime.engine import Engine
 from . import compat
-from .drafting import ModelDrafter, NgramDrafter, drafter_for
+from .drafting import DraftGate, ModelDrafter, NgramDrafter, drafter_for, gate_for
 from .runner import Runner
 from .scheduler import runner_output as with_failures
 
@@ -41,6 +42,8 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         self.runner: Runner | None = None
         self.drafter: NgramDrafter | ModelDrafter | None = None
         """The drafter ``--speculative-config`` asks for: vLLM's n-gram proposer or a draft artifact (`drafting`)."""
+        self.gate: DraftGate | None = None
+        """Which of an n-gram drafter's proposals are worth verifying (`drafting.DraftGate`)."""
         self._drafts: Any = None
         """What the drafter proposed after the last step, until vLLM takes it (`take_draft_token_ids`)."""
         self._waiting: compat.Step | None = None
@@ -68,6 +71,7 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         lora = getattr(self.vllm_config, "lora_config", None)  # None without --enable-lora
         self.runner = Runner(engine, cpu_loras=(lora.max_cpu_loras or 0) if lora is not None else 0)
         self.drafter = drafter_for(self.vllm_config, engine.rank)
+        self.gate = gate_for(self.vllm_config, self.drafter)
         c = artifact.config
         logger.info(
             "optimum-neuronx serving %s (rank %d of %d): backend=%s device=%s graphs=%s batch_size=%d "
@@ -171,10 +175,14 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
 
     def _run(self, step: compat.Step, grammar_output: Any) -> Any:
         assert self.runner is not None, "load_model() runs before the first step"
+        start = time.perf_counter()
         out = self.runner.execute(step, grammar_output)
+        if self.gate is not None:
+            self.gate.observe(step, out, time.perf_counter() - start)
         if self.drafter is not None:
             sampled = [r for r in out.req_ids if out.sampled[r]]
-            self._drafts = self.drafter.draft(self.runner.engine, sampled, step.spec_budget)
+            drafts = self.drafter.draft(self.runner.engine, sampled, step.spec_budget)
+            self._drafts = drafts if self.gate is None else self.gate.admit(drafts)
         output = compat.runner_output(out.req_ids, out.sampled, out.logprobs, out.prompt_logprobs)
         return with_failures(output, out.failed)
 
