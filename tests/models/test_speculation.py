@@ -66,11 +66,12 @@ def test_decodes_with_and_without_proposals_beside_a_prefill(backend: str) -> No
     a, b = engine.sequence("a"), engine.sequence("b")
     result = engine.step({"a": 1, "b": 8}, drafts={"a": a_ref[1:4]})
     assert result.accepted["a"] == 3 and result.prefills == [("b", 0, 8)]
+    assert result.width == 4, "the decode call's columns: the last token and the 3 proposed"
     engine.step({"a": 1, "b": 4}, drafts={"a": a_ref[5:7]})
     while len(b.generated) < len(b_ref):
         drafts = a_ref[len(a.generated) : len(a.generated) + 1]
         result = engine.step({"a": 1, "b": 1}, drafts={"a": drafts} if drafts else {})
-        assert "b" not in result.accepted
+        assert "b" not in result.accepted and result.width == 1 + len(drafts)
     assert b.generated == b_ref and a.generated == a_ref[: len(a.generated)]
 
 

@@ -23,10 +23,11 @@ def step(spec: dict[str, list[int]] | None = None, finished: tuple[str, ...] = (
     )
 
 
-def output(sampled: list[int], accepted: int | None = None, prefilled: bool = False) -> StepOutput:
-    """Every request of `IDS` sampled ``sampled``; ``accepted``: the proposed tokens each kept, when verified."""
+def output(sampled: list[int], accepted: int | None = None, prefilled: bool = False, width: int = 1) -> StepOutput:
+    """Every request of `IDS` sampled ``sampled``; ``accepted``: the proposed tokens each kept, when verified in a call
+    of ``width`` columns."""
     kept = {} if accepted is None else dict.fromkeys(IDS, accepted)
-    return StepOutput(list(IDS), dict.fromkeys(IDS, sampled), {}, {}, {}, kept, len(IDS), prefilled)
+    return StepOutput(list(IDS), dict.fromkeys(IDS, sampled), {}, {}, {}, kept, len(IDS), width, prefilled)
 
 
 def proposals(tokens: list[int]) -> object:
@@ -41,11 +42,13 @@ def test_proposals_pass_once_they_pay_and_are_withheld_once_they_do_not() -> Non
     gate.observe(step(), output([7]), 0.020)  # each sampled the token it had proposed first
     given = gate.admit(proposals([7, 8]))
     assert given.draft_token_ids == [[7, 8]] * 8, "the withheld proposals would have kept a token: verified"
-    gate.observe(step({r: [7, 8] for r in IDS}), output([7, 8, 9], accepted=2), 0.024)  # 1.2x a step, 2 kept each
+    gate.observe(
+        step({r: [7, 8] for r in IDS}), output([7, 8, 9], accepted=2, width=3), 0.024
+    )  # 1.2x a step, 2 kept each
     assert gate.policy.seconds[(8, 3)] == 0.024, "a decode-only verification is timed at its width"
     assert gate.admit(proposals([9, 9])).draft_token_ids == [[9, 9]] * 8
     for _ in range(3):  # verifications that cost 3x a step and keep nothing
-        gate.observe(step({r: [9, 9] for r in IDS}), output([4], accepted=0), 0.060)
+        gate.observe(step({r: [9, 9] for r in IDS}), output([4], accepted=0, width=3), 0.060)
     assert gate.admit(proposals([4, 4])).draft_token_ids == [[]] * 8, "8 x 2 extra steps' time for ~0.7 tokens"
     assert gate.withheld == {r: [4, 4] for r in IDS}
 
@@ -54,7 +57,7 @@ def test_a_step_that_prefills_is_not_timed_and_finished_requests_are_forgotten()
     gate = DraftGate()
     gate.observe(step(), output([5], prefilled=True), 5.0)
     assert gate.policy.seconds == {}, "a prefill chunk's time says nothing of a decode step's"
-    gate.observe(step({r: [1] for r in IDS}), output([1, 2], accepted=1, prefilled=True), 5.0)
+    gate.observe(step({r: [1] for r in IDS}), output([1, 2], accepted=1, prefilled=True, width=2), 5.0)
     assert gate.policy.seconds == {} and gate.policy.kept["r0"] > 0.5, "its verification's kept tokens still count"
     gate.observe(step(finished=("r0",)), output([3]), 0.02)
     assert "r0" not in gate.policy.kept and "r1" in gate.policy.kept

@@ -434,8 +434,8 @@ class Engine:
         HostSampler."""
         by_slot = {_held(s): s for s in decodes}
         reach = max(s.computed + len(proposed.get(s.seq_id, ())) + 1 for s in decodes)
-        widest = 1 + max(len(proposed.get(s.seq_id, ())) for s in decodes)
-        spec, window, columns = self._graph(GraphKind.VERIFICATION, reach, tokens=widest)
+        result.width = 1 + max(len(proposed.get(s.seq_id, ())) for s in decodes)
+        spec, window, columns = self._graph(GraphKind.VERIFICATION, reach, tokens=result.width)
         active = {
             slot: VerifyRow([s.tokens[-1], *proposed.get(s.seq_id, ())], s.computed, s.blocks)
             for slot, s in by_slot.items()

@@ -109,8 +109,7 @@ class _Lookup:
         """Record a step of ``rows`` sequences that took ``seconds`` (a decode step's time and kept tokens; what each
         unverified proposal would have kept, by the token its sequence generated)."""
         if not result.prefills:  # a decode step (the first one prefills)
-            width = 1 + max(map(len, self.drafts.values()), default=0)
-            self.policy.record(rows, width, seconds, result.accepted)
+            self.policy.record(rows, result.width, seconds, result.accepted)
         for s in sequences:
             if self.unverified.get(s.seq_id):
                 self.policy.record_unverified(s.seq_id, self.unverified[s.seq_id], s.generated[-1])

@@ -98,6 +98,8 @@ class StepResult:
     step are those, then the one in ``tokens``)."""
     decodes: list[SeqId] = field(default_factory=list)
     """Sequences fed through the token-generation (or verification) graph, in row order."""
+    width: int = 1
+    """Columns per row of the decode call: 1 + the longest proposal it verified, 1 for token generation."""
     prefills: list[tuple[SeqId, int, int]] = field(default_factory=list)
     """``(seq_id, start, count)`` of every prefill range, in the order they ran."""
     encoded: list[tuple[SeqId, int]] = field(default_factory=list)

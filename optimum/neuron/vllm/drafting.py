@@ -108,13 +108,12 @@ class DraftGate:
         """The proposals held back from the next step."""
 
     def observe(self, step: compat.Step, out: StepOutput, seconds: float) -> None:
-        """Learn from ``step``, which took ``seconds``: a decode-only step's time at its width (1 + its longest
-        verified proposal), each verification's kept tokens, each withheld proposal's counterfactual."""
+        """Learn from ``step``, which took ``seconds``: a decode-only step's time at its width, each verification's kept
+        tokens, each withheld proposal's counterfactual."""
         self.policy.forget(step.finished)
-        verified = [len(t) for r, t in step.spec_tokens.items() if r in out.accepted]
         kept: dict[Hashable, int] = {r: n for r, n in out.accepted.items()}
         if out.decodes and not out.prefilled:
-            self.policy.record(out.decodes, 1 + max(verified, default=0), seconds, kept)
+            self.policy.record(out.decodes, out.width, seconds, kept)
         else:
             self.policy.record_kept(kept)
         for req_id, proposed in self.withheld.items():

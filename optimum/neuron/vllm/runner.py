@@ -63,6 +63,8 @@ class StepOutput:
     """The proposed tokens each request whose proposal was verified kept."""
     decodes: int = 0
     """Requests the step decoded (a proposal's verification counts as one)."""
+    width: int = 1
+    """Columns per row of the decode call (`StepResult.width`)."""
     prefilled: bool = False
     """Whether the step also fed prompt tokens."""
 
@@ -108,6 +110,7 @@ class Runner:
             failed,
             accepted,
             len(result.decodes),
+            result.width,
             bool(result.prefills),
         )
 
@@ -200,3 +203,4 @@ def _merge(into: StepResult, part: StepResult) -> None:
         getattr(into, name).update(getattr(part, name))
     for name in ("decodes", "prefills", "encoded"):
         getattr(into, name).extend(getattr(part, name))
+    into.width = max(into.width, part.width)
