@@ -1,5 +1,5 @@
 """The inductor backend: ``torch.export`` -> AOTInductor package (``.pt2``) per graph, CPU (verified) or CUDA
-(written, not yet run on a GPU: docs/cuda.md).
+(partly run on a lent GPU: docs/cuda.md).
 
 Weights stay out of the package and are bound at load with ``load_constants(user_managed=True)``:
 every graph points at the same tensors. The KV cache is a graph input mutated in place. A runner
@@ -9,6 +9,7 @@ returns a callable.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import zipfile
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..cache_dir import cache_lock
 from ..errors import ArtifactError
 from .base import Backend, GraphFactory, LoadedGraph
 
@@ -52,9 +54,10 @@ class InductorBackend(Backend):
         with torch.no_grad():
             shapes = _dynamic_shapes(module, args, dynamic) if dynamic else None
             program = torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(path), inductor_configs=dict(_INDUCTOR_OPTIONS)
-            )
+            with cache_lock(_same_program_lock(program)):
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=str(path), inductor_configs=dict(_INDUCTOR_OPTIONS)
+                )
 
     def load(self, path: Path, weights: dict[str, torch.Tensor], factory: GraphFactory) -> LoadedGraph:
         _check_archive(path)
@@ -106,6 +109,21 @@ def _declare_toolkit_fallbacks() -> None:
         overload = getattr(getattr(torch.ops, namespace), operator).default
         if overload not in lowerings:
             make_fallback(overload, layout_constraint=None)
+
+
+def _same_program_lock(program: torch.export.ExportedProgram) -> Path:
+    """The lock file that serialises compiles of one program by every process sharing this inductor cache.
+
+    AOTInductor writes a graph's generated files (code, ``*_metadata.json``) into the inductor cache under names
+    hashed from the code, then packages them after its own lock is released: a second process compiling the same
+    program meanwhile truncates and rewrites those files, and the first one's package gets an empty JSON file
+    (seen with two exports of one graph at once, each into its own `OPTIMUM_NEURON_CACHE`: the package did not
+    load). The key is the program's code and its inputs' shapes and dtypes, and the compile options."""
+    from torch._inductor.codecache import get_lock_dir
+
+    inputs = [str(node.meta.get("val")) for node in program.graph.nodes if node.op == "placeholder"]
+    text = "\n".join([program.graph_module.code, *inputs, repr(sorted(_INDUCTOR_OPTIONS.items()))])
+    return Path(get_lock_dir()) / f"optimum-neuron-{hashlib.sha256(text.encode()).hexdigest()[:24]}.lock"
 
 
 def _dynamic_shapes(module: nn.Module, args: tuple, dynamic: dict[str, Any]) -> dict[str, Any]:
