@@ -226,12 +226,14 @@ class _JobQueue:
             raise
 
     def feed(self, worker: WorkerProcess, done: Done) -> None:
-        """Hand jobs to ``worker`` one at a time until none is left (a feeding thread's loop)."""
+        """Hand jobs to ``worker`` one at a time until none is left, then let it exit while the other processes
+        still compile (a feeding thread's loop)."""
         while (job := self.take(False)) is not None:
             try:
                 done(job[0], worker.compile(*job))
             except BaseException as err:  # raised by the exporting thread (`raise_failure`)
                 self.fail(err)
+        worker.release()
 
     def fail(self, err: BaseException) -> None:
         """Record a failure: no job starts after it."""
@@ -259,10 +261,14 @@ class WorkerProcess:
     def __enter__(self) -> WorkerProcess:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        """Close the job pipe (the worker exits); kill it when the export failed or it does not exit."""
+    def release(self) -> None:
+        """Close the job pipe: the worker exits once its current graph is answered."""
         assert self.process.stdin is not None
         self.process.stdin.close()
+
+    def __exit__(self, *exc: object) -> None:
+        """Close the job pipe (the worker exits); kill it when the export failed or it does not exit."""
+        self.release()
         try:
             self.process.wait(timeout=None if exc[0] is None else 0.1)
         except subprocess.TimeoutExpired:

@@ -5,6 +5,8 @@ It reads pickled messages on stdin: first ``(model_dir, config, threads)``, then
 answers each graph with ``(True, seconds)`` or ``(False, error)`` on its stdout, kept for the answers alone (what
 the process prints goes to stderr). It exits when stdin closes, and on Linux with the process that started it (a
 worker whose exporter was killed mid-compile would otherwise finish its graph first, minutes of two cores for nobody).
+The exporter closes stdin as soon as no graph is left for this worker, and the worker ends without its interpreter's
+teardown (`fast_exit`), so that neither delays the exporter's last graph.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ...neuron.errors import ExportError
+from ...neuron.fast_exit import exit_now
 from .compile import PARENT_ENV, GraphBuilder
 from .parallel import tracing_group
 
@@ -77,3 +80,4 @@ def _answer(stream: BinaryIO, message: tuple[bool, Any]) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # its interpreter's teardown would compete with the graphs the exporter still compiles
