@@ -10,11 +10,13 @@
 
 Each for the minimal artifact (``--no_decode_logits``: 2 graphs) and the default one (3 graphs).
 
-    .venv/bin/python -m benchmark.export_time [--machine epyc-2core]
+    .venv/bin/python -m benchmark.export_time [--machine epyc-2core] [--rounds 2]
 
 Every export runs in a fresh process (``optimum-cli export neuron``) with its own empty cache, the packed kernel's
 one-time build shared; its peak memory is the largest sum of the RSS of its process tree (the exporter and its
-compile workers, compiler subprocesses included), sampled every 50 ms. Results:
+compile workers, compiler subprocesses included), sampled every 50 ms. The two cold exports run ``--rounds`` times,
+alternating, each into a fresh cache; the report gives each cell's median (the ratio of the medians) and the JSON
+every round. Results:
 ``benchmark/results/<machine>/export.md`` and ``.json``.
 """
 
@@ -25,6 +27,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,27 +92,49 @@ REEXPORTS = {"chunk 128": (128, ()), "chunk 512": (512, ()), "+ prompt logprobs"
 """Re-exports into the cache of the cold parallel export, by name: their chunk and extra flags."""
 
 
-def measure(model_dir: Path, kernels: Path, scratch: Path, flags: tuple[str, ...]) -> dict[str, Any]:
-    """The three exports of one artifact kind, and its size."""
+def measure(model_dir: Path, kernels: Path, scratch: Path, flags: tuple[str, ...], rounds: int) -> dict[str, Any]:
+    """The exports of one artifact kind (the cold ones ``rounds`` times, alternating), and its size."""
     console = Console(stderr=True)
-    row: dict[str, Any] = {}
-    for name, workers in (("cold, one process", "1"), ("cold, parallel", None)):
-        cache = scratch / name.replace(", ", "-").replace(" ", "-")
-        console.print(f"[bold]{name}[/bold] {' '.join(flags)}")
-        row[name] = timed(export_command(model_dir, cache / "out", 256, flags), cache_env(cache, kernels, workers))
-    cache = scratch / "cold-parallel"
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in COLD}
+    for round_ in range(rounds):
+        for name, workers in COLD.items():
+            cache = scratch / f"{_slug(name)}-{round_}"
+            console.print(f"[bold]{name}[/bold] {' '.join(flags)} (round {round_ + 1} of {rounds})")
+            runs[name].append(
+                timed(export_command(model_dir, cache / "out", 256, flags), cache_env(cache, kernels, workers))
+            )
+    row: dict[str, Any] = {name: median_run(measured) for name, measured in runs.items()}
+    cache = scratch / f"{_slug('cold, parallel')}-{rounds - 1}"
     for name, (chunk, more) in REEXPORTS.items():
         console.print(f"[bold]re-export, {name}[/bold] {' '.join(flags)}")
-        command = export_command(model_dir, cache / name.replace(" ", "-"), chunk, (*flags, *more))
+        command = export_command(model_dir, cache / _slug(name), chunk, (*flags, *more))
         row[name] = timed(command, cache_env(cache, kernels, None))
     row["artifact_mb"] = round(sum(p.stat().st_size for p in (cache / "out").rglob("*") if p.is_file()) / 1e6, 1)
     row["graphs"] = len(json.loads((cache / "out" / "graphs" / "manifest.json").read_text())["graphs"])
     return row
 
 
+COLD = {"cold, one process": "1", "cold, parallel": None}
+"""The cold exports, by name: their ``OPTIMUM_NEURON_COMPILE_WORKERS`` (None: unset, the exporter decides)."""
+
+
+def median_run(runs: list[dict[str, float]]) -> dict[str, Any]:
+    """One cell from its rounds: the median wall time and peak memory, and every round's."""
+    return {
+        "wall_s": round(statistics.median(r["wall_s"] for r in runs), 1),
+        "peak_rss_gib": round(statistics.median(r["peak_rss_gib"] for r in runs), 2),
+        "rounds": runs,
+    }
+
+
+def _slug(name: str) -> str:
+    return name.replace(", ", "-").replace(" ", "-")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--machine", default="epyc-2core")
+    parser.add_argument("--rounds", type=int, default=2, help="times each cold export runs (median reported)")
     parser.add_argument("--render", action="store_true", help="rewrite export.md from export.json, measuring nothing")
     args = parser.parse_args()
     if args.render:
@@ -126,7 +151,7 @@ def main() -> None:
     rows = {}
     for variant, flags in VARIANTS.items():
         with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
-            rows[variant] = measure(model_dir, kernels, Path(scratch), flags)
+            rows[variant] = measure(model_dir, kernels, Path(scratch), flags, args.rounds)
             shutil.rmtree(scratch, ignore_errors=True)
     write_report(args.machine, rows, describe())
 
@@ -168,9 +193,10 @@ NOTE = (
     "Cold, one process is how the exporter compiled before the per-graph cache and parallel compilation: every graph "
     "in the exporting process, one after another (commit 79f02be measured the same: 74.4 s for the 2-graph artifact "
     "against 70.1 s for this column, on 2026-11-25), so *parallel / one process* is the cold export's gain, both "
-    "measured in this run. Re-exports run in the cache of the cold parallel export. Every time is the wall time of a "
-    "fresh `optimum-cli` process (its start, imports and the checkpoint's hash included); peak memory is the largest "
-    "summed RSS of its process tree."
+    "measured in this run (each cell the median of its rounds, run alternating, each in a fresh cache). Re-exports "
+    "run in the cache of the last cold parallel export. Every time is the wall time of a fresh `optimum-cli` process "
+    "(its start, imports and the checkpoint's hash included); peak memory is the largest summed RSS of its process "
+    "tree."
 )
 
 
