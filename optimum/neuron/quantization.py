@@ -78,7 +78,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """int4 values ``q`` int8 ``[..., K]`` (K even) -> uint8 ``[..., K / 2]``: element ``2j`` of the last dimension in
     byte j's low nibble, ``2j + 1`` in its high nibble, two's complement (a zero byte is two zero weights). The
-    stored form's rule, and the packed kernel's on its panels (`kernels.packed.pack_int4`)."""
+    stored form's rule, and the packed kernel's over each panel column's pairs of steps of K
+    (`kernels.packed.pack_int4`)."""
     low, high = q[..., 0::2].to(torch.uint8) & 0xF, q[..., 1::2].to(torch.uint8) & 0xF
     return low | (high << 4)
 

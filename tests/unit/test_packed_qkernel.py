@@ -122,9 +122,10 @@ def test_pack_unpack_round_trips_and_layouts(out: int, inp: int) -> None:
     assert torch.equal(packed.unpack_int4(t4, out), q4)
     padded = torch.zeros(panels * 16, inp, dtype=torch.int8)
     padded[:out] = q4
-    low, high = (padded[0::2] & 0x0F).to(torch.uint8), (padded[1::2] & 0x0F).to(torch.uint8)
-    # byte j of (p, k): column 16 p + 2 j in the low nibble, 16 p + 2 j + 1 in the high one; zero past N
-    assert torch.equal(t4, (low | (high << 4)).view(panels, 8, inp).transpose(1, 2))
+    low, high = (padded[:, 0::2] & 0x0F).to(torch.uint8), (padded[:, 1::2] & 0x0F).to(torch.uint8)
+    # byte j of pair i of panel p: column 16 p + j at k = 2 i in the low nibble, at k = 2 i + 1 in the high one
+    pairs = (low | (high << 4)).view(panels, 16, inp // 2).transpose(1, 2)
+    assert torch.equal(t4.view(panels, inp // 2, 16), pairs)
 
     scales = torch.rand(out, 3)
     table = packed.pack_scales(scales)
@@ -135,6 +136,8 @@ def test_pack_unpack_round_trips_and_layouts(out: int, inp: int) -> None:
 def test_helpers_refuse_what_they_cannot_pack() -> None:
     with pytest.raises(ValueError, match=r"\[-8, 7\]"):
         packed.pack_int4(torch.full((4, 4), 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match="K must be even"):
+        packed.pack_int4(torch.zeros(4, 5, dtype=torch.int8))
     with pytest.raises(ValueError, match="int8"):
         packed.pack_int8(torch.zeros(4, 4))
     with pytest.raises(ValueError, match="float32"):
@@ -177,6 +180,13 @@ def test_bad_inputs_are_refused_not_crashes(bits: int, call: Call, message: str)
         call = lambda x, w, s: packed.packed_qlinear(x, w, s, None, 20)  # noqa: E731
     with pytest.raises(RuntimeError, match=message):
         call(x, weight, scales)
+
+
+def test_int4_refuses_an_odd_group() -> None:
+    """An int4 byte holds two steps of K: a group of one step (64 groups of K = 64) is refused, not misread."""
+    x, weight, _ = _inputs(4)
+    with pytest.raises(RuntimeError, match="group size must be even"):
+        packed.packed_qlinear(x, weight, torch.ones(64, 32), None, 20)
 
 
 def test_the_shape_function_matches_the_kernel() -> None:

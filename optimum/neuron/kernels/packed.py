@@ -132,16 +132,23 @@ def unpack_int8(packed: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """``q [N, K]`` int8 with values in [-8, 7] -> ``[ceil(N / 16), K, 8]`` uint8: byte ``j`` of ``(p, k)`` holds
-    ``q[16 p + 2 j, k]`` in its low nibble and ``q[16 p + 2 j + 1, k]`` in its high nibble, each as 4-bit two's
-    complement (zero past N: a zero byte is two zero weights)."""
+    """``q [N, K]`` int8 with values in [-8, 7], K even -> ``[ceil(N / 16), K, 8]`` uint8, read as pairs of steps of
+    K ``[P, K / 2, 16]``: byte ``j`` of pair ``i`` of panel ``p`` holds ``q[16 p + j, 2 i]`` in its low nibble and
+    ``q[16 p + j, 2 i + 1]`` in its high nibble, each as 4-bit two's complement (zero past N: a zero byte is two zero
+    weights). One 16-byte load gives the kernel two steps of a panel, each a shift or two away from its integers."""
     _check_quantized(q, -8, 7)
-    return pack_nibbles(pack(q))
+    if q.shape[1] % 2:
+        raise ValueError(f"int4 panels pair the steps of K: K must be even, got {q.shape[1]}")
+    panels, columns, _ = packed_shape(q.shape)
+    pairs = pack(q).view(panels, columns // 2, 2, PANEL).transpose(2, 3)  # [P, K / 2, 16, 2]: (even, odd) per column
+    return pack_nibbles(pairs.contiguous()).view(panels, columns, PANEL // 2)
 
 
 def unpack_int4(packed: torch.Tensor, rows: int) -> torch.Tensor:
     """The ``[rows, K]`` int8 weight (values in [-8, 7]) that `pack_int4` made ``packed`` (uint8 ``[P, K, 8]``) from."""
-    return unpack(unpack_nibbles(packed), rows)
+    panels, columns, _ = packed.shape
+    pairs = unpack_nibbles(packed.view(panels, columns // 2, PANEL)).view(panels, columns // 2, PANEL, 2)
+    return unpack(pairs.transpose(2, 3).reshape(panels, columns, PANEL), rows)
 
 
 def pack_scales(scales: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,9 @@
 // (read once) picks a lesser path, for comparison and tests.
 //
 // Weight-only int8 / int4 (optimum_neuron::packed_qlinear). The same panels hold int8 weights ([panels, K, 16] int8)
-// or int4 pairs ([panels, K, 8] uint8: byte j holds column 2j in its low nibble, 2j + 1 in its high one, each a
-// signed 4-bit value), with fp32 scales [groups, panels * 16]: k takes the scales of group k / (K / groups). The
+// or int4 pairs ([panels, K, 8] uint8, read as [panels, K / 2, 16]: byte j of pair i holds column j at k = 2i in its
+// low nibble and at k = 2i + 1 in its high one, each a signed 4-bit value; K and the group size even), with fp32
+// scales [groups, panels * 16]: k takes the scales of group k / (K / groups). The
 // tiles are the same templates over the weight kind: a loader per kind and path turns a panel row into fp32,
 // float(q) * scale (one multiply, one rounding), and the fused multiply-adds that follow are packed_linear's, in its
 // order. So packed_qlinear(x, q, s) is bitwise packed_linear(x, pack(q * s)) on every path, a row's result still
@@ -128,6 +129,8 @@ at::Tensor packed_qlinear(const at::Tensor& x, const at::Tensor& w, const at::Te
   TORCH_CHECK(K % groups == 0, "packed_qlinear: ", groups, " groups do not divide K = ", K);
   const at::Tensor s = scales.contiguous();
   const int64_t group = K / groups;
+  TORCH_CHECK(int8 || group % 2 == 0, "packed_qlinear: int4 pairs two steps of K in a byte, so the group size must be ",
+              "even; got ", group, " (K = ", K, ", ", groups, " groups)");
   const char* wp = reinterpret_cast<const char*>(w.data_ptr());
   return int8 ? gemm<Kind::kI8>(x, wp, panels, s.data_ptr<float>(), group, bias, n)
               : gemm<Kind::kI4>(x, wp, panels, s.data_ptr<float>(), group, bias, n);

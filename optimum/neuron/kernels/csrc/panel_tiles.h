@@ -75,61 +75,78 @@ inline bool prefetch_step(int64_t k) {
   return (k & (every - 1)) == 0;
 }
 
-// The portable loader: column j of a panel row, dequantized in fp32 as one multiply (one rounding).
+// Where step k of a panel starts: its row, or for int4 the 16 bytes of the pair of steps (k & ~1, k | 1) that holds it
+// (byte j: column j at the even step in its low nibble, at the odd step in its high one).
 template <Kind W>
-inline float load_scalar(const char* at, int64_t j, const float* s) {
+inline const char* row_at(const char* panel, int64_t k) {
+  return W == Kind::kI4 ? panel + (k >> 1) * 16 : panel + k * row_bytes<W>();
+}
+
+// The portable loader: column j of step k's panel row (`row_at`), dequantized in fp32 as one multiply (one rounding).
+template <Kind W>
+inline float load_scalar(const char* at, int64_t k, int64_t j, const float* s) {
   if (W == Kind::kF32) return reinterpret_cast<const float*>(at)[j];
   if (W == Kind::kI8) return static_cast<float>(reinterpret_cast<const int8_t*>(at)[j]) * s[j];
-  const uint8_t byte = reinterpret_cast<const uint8_t*>(at)[j >> 1];
-  const int nibble = (j & 1) ? (byte >> 4) : (byte & 0x0F);
+  const uint8_t byte = reinterpret_cast<const uint8_t*>(at)[j];
+  const int nibble = (k & 1) ? (byte >> 4) : (byte & 0x0F);
   return static_cast<float>((nibble ^ 8) - 8) * s[j];
 }
 
 #ifdef OPTIMUM_NEURON_X86
-// int4 on the vector paths: a little-endian dword of a panel row holds 8 columns, column c in bits 4c..4c+3. Each
-// lane gets the dword of its column, shifts its nibble to the top (left by 28 - 4c) and back with the sign (right
-// arithmetic by 28): the same integer as the portable (n ^ 8) - 8, without byte shuffles.
-inline int32_t dword_at(const char* at) {
-  int32_t v;
-  std::memcpy(&v, at, sizeof v);
-  return v;
+// int4 on the vector paths: the 16 bytes of a pair of steps, sign-extended one byte per lane, hold the odd step's
+// value as the byte's top nibble (an arithmetic right shift by 4 gives it with its sign) and the even step's as its
+// low nibble (left by 28, then arithmetic right by 28): the same integers as the portable (n ^ 8) - 8.
+template <bool Odd, typename V>
+inline V nibble_of(V bytes);
+
+template <>
+__attribute__((target("avx2,fma"))) inline __m256i nibble_of<false>(__m256i bytes) {
+  return _mm256_srai_epi32(_mm256_slli_epi32(bytes, 28), 28);
+}
+template <>
+__attribute__((target("avx2,fma"))) inline __m256i nibble_of<true>(__m256i bytes) {
+  return _mm256_srai_epi32(bytes, 4);
+}
+template <>
+__attribute__((target("avx512f"))) inline __m512i nibble_of<false>(__m512i bytes) {
+  return _mm512_srai_epi32(_mm512_slli_epi32(bytes, 28), 28);
+}
+template <>
+__attribute__((target("avx512f"))) inline __m512i nibble_of<true>(__m512i bytes) {
+  return _mm512_srai_epi32(bytes, 4);
 }
 
-// The AVX2 loader: one panel row as two 8-float vectors.
+// The AVX2 loader: step k's panel row (at `row_at`) as two 8-float vectors.
 template <Kind W>
-__attribute__((target("avx2,fma"))) inline void load_avx2(const char* at, const float* s, __m256* lo, __m256* hi) {
+__attribute__((target("avx2,fma"))) inline void load_avx2(const char* at, int64_t k, const float* s, __m256* lo,
+                                                          __m256* hi) {
   if (W == Kind::kF32) {
     *lo = _mm256_loadu_ps(reinterpret_cast<const float*>(at));
     *hi = _mm256_loadu_ps(reinterpret_cast<const float*>(at) + 8);
     return;
   }
-  __m256i a, b;
-  if (W == Kind::kI8) {
-    a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)));
-    b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8)));
-  } else {
-    const __m256i up = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
-    a = _mm256_srai_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(dword_at(at)), up), 28);
-    b = _mm256_srai_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(dword_at(at + 4)), up), 28);
+  __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)));
+  __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8)));
+  if (W == Kind::kI4) {
+    a = (k & 1) ? nibble_of<true>(a) : nibble_of<false>(a);
+    b = (k & 1) ? nibble_of<true>(b) : nibble_of<false>(b);
   }
   *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_loadu_ps(s));
   *hi = _mm256_mul_ps(_mm256_cvtepi32_ps(b), _mm256_loadu_ps(s + 8));
 }
 
-// The AVX-512 loader: one panel row as one 16-float vector.
+// The AVX-512 loader: step k's panel row (fp32 or int8) as one 16-float vector; int4 pairs: `tile_avx512`.
 template <Kind W>
 __attribute__((target("avx512f"))) inline __m512 load_avx512(const char* at, const float* s) {
   if (W == Kind::kF32) return _mm512_loadu_ps(reinterpret_cast<const float*>(at));
-  __m512i q;
-  if (W == Kind::kI8) {
-    q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
-  } else {
-    const __m512i dwords = _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)));
-    const __m512i which = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i up = _mm512_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
-    q = _mm512_srai_epi32(_mm512_sllv_epi32(_mm512_permutexvar_epi32(which, dwords), up), 28);
-  }
+  const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
   return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_loadu_ps(s));
+}
+
+// Step k's int4 row from the pair's sign-extended bytes, dequantized: one multiply by the scales s.
+template <bool Odd>
+__attribute__((target("avx512f"))) inline __m512 dequantize_avx512(__m512i bytes, const float* s) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(nibble_of<Odd>(bytes)), _mm512_loadu_ps(s));
 }
 
 template <Kind W, int R, int P>
@@ -157,9 +174,9 @@ __attribute__((target("avx2,fma"))) void tile_fma(const Tile& t) {
       const bool fetch = prefetch && prefetch_step<W>(k);
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
-        const char* at = w + p * ldw + k * row_bytes<W>();
+        const char* at = row_at<W>(w + p * ldw, k);
         if (fetch) _mm_prefetch(at + kBlockK * row_bytes<W>(), _MM_HINT_T0);
-        load_avx2<W>(at, s + kPanel * p, &v[2 * p], &v[2 * p + 1]);
+        load_avx2<W>(at, k, s + kPanel * p, &v[2 * p], &v[2 * p + 1]);
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -203,20 +220,50 @@ __attribute__((target("avx512f"))) void tile_avx512(const Tile& t) {
   for (int64_t k = 0; k < steps;) {
     const float* s;
     const int64_t end = group_end<W>(t, k, &s);
-    for (; k < end; ++k) {
-      __m512 v[P];
-      const bool fetch = prefetch && prefetch_step<W>(k);
+    if constexpr (W == Kind::kI4) {
+      // a pair of steps per load (k is even: blocks, groups and K are): the even step's multiply-adds, then the odd's
+      for (; k < end; k += 2) {
+        __m512i bytes[P];
+        __m512 v[P];
+        const bool fetch = prefetch && prefetch_step<W>(k);
 #pragma GCC unroll 8
-      for (int p = 0; p < P; ++p) {
-        const char* at = w + p * ldw + k * row_bytes<W>();
-        if (fetch) _mm_prefetch(at + kBlockK * row_bytes<W>(), _MM_HINT_T0);
-        v[p] = load_avx512<W>(at, s + kPanel * p);
+        for (int p = 0; p < P; ++p) {
+          const char* at = row_at<W>(w + p * ldw, k);
+          if (fetch) _mm_prefetch(at + kBlockK * row_bytes<W>(), _MM_HINT_T0);
+          bytes[p] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+          v[p] = dequantize_avx512<false>(bytes[p], s + kPanel * p);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+          for (int p = 0; p < P; ++p) acc[r * P + p] = _mm512_fmadd_ps(b, v[p], acc[r * P + p]);
+        }
+#pragma GCC unroll 8
+        for (int p = 0; p < P; ++p) v[p] = dequantize_avx512<true>(bytes[p], s + kPanel * p);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512 b = _mm512_set1_ps(x[r * ldx + k + 1]);
+#pragma GCC unroll 8
+          for (int p = 0; p < P; ++p) acc[r * P + p] = _mm512_fmadd_ps(b, v[p], acc[r * P + p]);
+        }
       }
+    } else {
+      for (; k < end; ++k) {
+        __m512 v[P];
+        const bool fetch = prefetch && prefetch_step<W>(k);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
+        for (int p = 0; p < P; ++p) {
+          const char* at = row_at<W>(w + p * ldw, k);
+          if (fetch) _mm_prefetch(at + kBlockK * row_bytes<W>(), _MM_HINT_T0);
+          v[p] = load_avx512<W>(at, s + kPanel * p);
+        }
 #pragma GCC unroll 8
-        for (int p = 0; p < P; ++p) acc[r * P + p] = _mm512_fmadd_ps(b, v[p], acc[r * P + p]);
+        for (int r = 0; r < R; ++r) {
+          const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 8
+          for (int p = 0; p < P; ++p) acc[r * P + p] = _mm512_fmadd_ps(b, v[p], acc[r * P + p]);
+        }
       }
     }
   }
@@ -249,7 +296,7 @@ void tile_portable(const Tile& t) {
       float v[C];
       for (int p = 0; p < P; ++p)
         for (int j = 0; j < kPanel; ++j)
-          v[p * kPanel + j] = load_scalar<W>(t.w + p * t.ldw + k * row_bytes<W>(), j,
+          v[p * kPanel + j] = load_scalar<W>(row_at<W>(t.w + p * t.ldw, k), k, j,
                                              W == Kind::kF32 ? nullptr : s + p * kPanel);
       for (int r = 0; r < R; ++r) {
         const float b = t.x[r * t.ldx + k];
@@ -352,7 +399,7 @@ inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first
     const bool last = k0 + steps == p.K;
     for (int64_t blk = 0, m = 0; blk < blocks.count; m += blocks.rows(blk), ++blk) {
       float* sums = partial + m * ld;
-      const Tile t{p.x + m * p.ldx + k0, p.ldx, p.w + first * p.ldw + k0 * row_bytes<W>(), p.ldw, steps,
+      const Tile t{p.x + m * p.ldx + k0, p.ldx, row_at<W>(p.w + first * p.ldw, k0), p.ldw, steps,
                    k0 == 0 ? nullptr : sums, ld,
                    last ? p.y + m * p.ldy + col : sums, last ? p.ldy : ld,
                    last && p.bias != nullptr ? p.bias + col : nullptr, p.prefetch && blk == 0,
