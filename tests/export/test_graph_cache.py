@@ -137,7 +137,14 @@ def test_parallel_compile_then_a_reexport_with_another_chunk(
     assert len(code) == 4 and code == _generated_code(serial)  # kernel + wrapper of both graphs
     assert greedy(parallel) == greedy(serial) == hf_greedy(model, PROMPT, 6)
 
+    released = []  # a worker starts before the graphs are looked up; with none to compile it is stopped at once
+    release = compile_module.WorkerProcess.release
+    monkeypatch.setattr(
+        compile_module.WorkerProcess, "release", lambda self: (released.append(self._idle), release(self))[1]
+    )
     sixteen = export(model, tmp_path / "sixteen", config(prefill_chunk_size=16))
+    assert released[0] is True, released
+    assert not [c for c in _children(os.getpid()) if "compile_worker" in _command(c) and _running(c)]
     err = capfd.readouterr().err
     assert "read checkpoint" in err and "load checkpoint" not in err, "nothing to trace: no decoder is built"
     shown = [line for line in err.splitlines() if "KV windows" in line]

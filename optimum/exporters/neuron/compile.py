@@ -173,22 +173,33 @@ Done = Callable[[GraphSpec, float], None]
 """Called (from any thread) when a graph is compiled, with its compile seconds."""
 
 
-def compile_graphs(
-    jobs: list[Job], load: Callable[[], GraphBuilder], workers: int, model_dir: Path, config: NeuronConfig, done: Done
-) -> None:
-    """Compile every job: this process (its builder made by ``load``, while the workers start) takes jobs from the
-    front of one queue, ``workers - 1`` worker processes (`WorkerProcess`) from its back. ``done`` is called per
-    compiled graph; the first failure empties the queue and is raised once the running compiles are over."""
+def start_workers(count: int, model_dir: Path, config: NeuronConfig, stack: ExitStack) -> list[WorkerProcess]:
+    """``count - 1`` worker processes for an export whose graphs ``count`` processes compile (`worker_count`),
+    started before the export knows which graphs it must compile (their imports overlap its cache lookups); each
+    leaves with ``stack``."""
+    return [stack.enter_context(WorkerProcess(model_dir, config)) for _ in range(count - 1)]
+
+
+def helpers_for(jobs: list[Job], workers: list[WorkerProcess]) -> list[WorkerProcess]:
+    """The workers that help compile ``jobs``: one per job beyond this process's first; the others are released now."""
+    helping = workers[: max(0, len(jobs) - 1)]
+    for idle in workers[len(helping) :]:
+        idle.release()
+    return helping
+
+
+def compile_graphs(jobs: list[Job], load: Callable[[], GraphBuilder], workers: list[WorkerProcess], done: Done) -> None:
+    """Compile every job: this process (its builder made by ``load``) takes jobs from the front of one queue, the
+    ``workers`` (`helpers_for`) from its back. ``done`` is called per compiled graph; the first failure empties the
+    queue and is raised once the running compiles are over."""
     queue = _JobQueue(jobs)
-    if workers <= 1 or len(jobs) <= 1:
+    if not workers:
         queue.drain(load, done)
         return
     import torch._inductor.config as inductor_config
 
-    with ExitStack() as stack:
-        stack.enter_context(inductor_config.patch(compile_threads=1))
-        processes = [stack.enter_context(WorkerProcess(model_dir, config)) for _ in range(workers - 1)]
-        feeders = [threading.Thread(target=queue.feed, args=(p, done), daemon=True) for p in processes]
+    with inductor_config.patch(compile_threads=1):
+        feeders = [threading.Thread(target=queue.feed, args=(p, done), daemon=True) for p in workers]
         for thread in feeders:
             thread.start()
         try:
@@ -257,14 +268,18 @@ class WorkerProcess:
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         # inductor generates CPU code for the thread count of the compiling process: the worker takes this one's
         self._send((model_dir, config, torch.get_num_threads()))
+        self._idle = True  # no job sent yet
 
     def __enter__(self) -> WorkerProcess:
         return self
 
     def release(self) -> None:
-        """Close the job pipe: the worker exits once its current graph is answered."""
+        """Close the job pipe: the worker exits once its current graph is answered; one never given a job is stopped
+        at once (it imports or loads the checkpoint: nothing to finish)."""
         assert self.process.stdin is not None
         self.process.stdin.close()
+        if self._idle:
+            self.process.kill()
 
     def __exit__(self, *exc: object) -> None:
         """Close the job pipe (the worker exits); kill it when the export failed or it does not exit."""
@@ -277,6 +292,7 @@ class WorkerProcess:
 
     def compile(self, spec: GraphSpec, folder: Path) -> float:
         """`GraphBuilder.compile` in the worker; its error raised here."""
+        self._idle = False
         self._send((spec, folder))
         assert self.process.stdout is not None
         try:

@@ -1,7 +1,8 @@
 """A process compiling graphs for an export (`compile.WorkerProcess`), started as
 ``python -m optimum.exporters.neuron.compile_worker``.
 
-It reads pickled messages on stdin: first ``(model_dir, config, threads)``, then ``(spec, folder)`` per graph, and
+It reads pickled messages on stdin: first ``(model_dir, config, threads)`` (the worker is started, and loads the
+checkpoint, while the export still looks its graphs up), then ``(spec, folder)`` per graph, and
 answers each graph with ``(True, seconds)`` or ``(False, error)`` on its stdout, kept for the answers alone (what
 the process prints goes to stderr). It exits when stdin closes, and on Linux with the process that started it (a
 worker whose exporter was killed mid-compile would otherwise finish its graph first, minutes of two cores for nobody).
@@ -31,7 +32,10 @@ def main() -> None:
     _die_with_parent()
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints, warnings and compiler output stay off the answers
-    model_dir, config, threads = pickle.load(sys.stdin.buffer)
+    setup = _next_job(sys.stdin.buffer)
+    if setup is None:  # released before any job: every graph was cached, or fewer to compile than workers
+        return
+    model_dir, config, threads = setup
     torch.set_num_threads(threads)  # inductor's CPU code is generated for it: the exporting process's count
     with tracing_group(config.tp_degree):
         try:

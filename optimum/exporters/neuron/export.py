@@ -29,7 +29,15 @@ from ...neuron.prequantized import without_quantization_config
 from ...neuron.progress import Line, StepProgress
 from ...neuron.quantization import fit_weight_format
 from .cache import code_fingerprint
-from .compile import GraphBuilder, artifact_weights, compile_graphs, hf_config_of, worker_count
+from .compile import (
+    GraphBuilder,
+    artifact_weights,
+    compile_graphs,
+    helpers_for,
+    hf_config_of,
+    start_workers,
+    worker_count,
+)
 from .graph_cache import GraphCache, graph_key
 from .parallel import tracing_group
 
@@ -132,15 +140,19 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, graphs: GraphCache 
     hf_config = hf_config_of(model_dir)
     config = fit_weight_format(fit_images(config, image_text_family(hf_config), hf_config, model_dir), hf_config)
     specs = graph_specs(config)
-    keys = {spec.name: graph_key(spec, config, hf_config, backend) for spec in specs}
     folder = out / GRAPHS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     ranks = f", {config.tp_degree} tensor-parallel ranks" if config.tp_degree > 1 else ""
     title = f"export {model_dir.name} ({config.backend}, {config.device}{ranks})"
     record = _entry_record(model_dir, config, hf_config)
     with StepProgress(title, 2 + len(specs)) as bar, tracing_group(config.tp_degree), ExitStack() as held:
+        # workers start before the graphs are looked up: they import while the keys are computed (inductor's first
+        # check of the CPU's vector ISA compiles test programs: seconds)
+        workers = start_workers(worker_count(len(specs), config, model_dir), model_dir, config, held)
+        keys = {spec.name: graph_key(spec, config, hf_config, backend) for spec in specs}
         lines = {spec.name: bar.line(f"{spec.name} {_shape(spec)}") for spec in specs}
         jobs, waiting = _plan(specs, keys, graphs, held, lines, folder)
+        workers = helpers_for(jobs, workers)
         staged = {spec.name: job_folder for spec, job_folder in jobs}
         loaded: dict[str, Any] = {}
 
@@ -155,7 +167,7 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, graphs: GraphCache 
             lines[spec.name].finish(f"compiled in {seconds:.1f}s")
 
         if jobs or waiting:
-            compile_graphs(jobs, load, worker_count(len(jobs), config, model_dir), model_dir, config, done)
+            compile_graphs(jobs, load, workers, done)
         else:  # every graph cached: the weights the artifact stores, without the decoder the graphs were traced from
             with bar.step("read checkpoint"):
                 loaded["weights"] = artifact_weights(hf_config, model_dir, config)
