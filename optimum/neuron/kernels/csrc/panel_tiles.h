@@ -201,6 +201,17 @@ __attribute__((target("avx2,fma"))) void tile_fma(const Tile& t) {
 }
 
 // The same tile with one 16-float register per panel row (the same fused multiply-adds, in the same order).
+// One step's fused multiply-adds of an AVX-512 tile: acc[r, p] += x[r * ldx] * v[p], row by row.
+template <int R, int P>
+__attribute__((target("avx512f"))) inline void step_avx512(__m512* acc, const float* x, int64_t ldx, const __m512* v) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 b = _mm512_set1_ps(x[r * ldx]);
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) acc[r * P + p] = _mm512_fmadd_ps(b, v[p], acc[r * P + p]);
+  }
+}
+
 template <Kind W, int R, int P>
 __attribute__((target("avx512f"))) void tile_avx512(const Tile& t) {
   __m512 acc[R * P];
@@ -233,20 +244,10 @@ __attribute__((target("avx512f"))) void tile_avx512(const Tile& t) {
           bytes[p] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
           v[p] = dequantize_avx512<false>(bytes[p], s + kPanel * p);
         }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
-#pragma GCC unroll 8
-          for (int p = 0; p < P; ++p) acc[r * P + p] = _mm512_fmadd_ps(b, v[p], acc[r * P + p]);
-        }
+        step_avx512<R, P>(acc, x + k, ldx, v);
 #pragma GCC unroll 8
         for (int p = 0; p < P; ++p) v[p] = dequantize_avx512<true>(bytes[p], s + kPanel * p);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m512 b = _mm512_set1_ps(x[r * ldx + k + 1]);
-#pragma GCC unroll 8
-          for (int p = 0; p < P; ++p) acc[r * P + p] = _mm512_fmadd_ps(b, v[p], acc[r * P + p]);
-        }
+        step_avx512<R, P>(acc, x + k + 1, ldx, v);
       }
     } else {
       for (; k < end; ++k) {
@@ -258,12 +259,7 @@ __attribute__((target("avx512f"))) void tile_avx512(const Tile& t) {
           if (fetch) _mm_prefetch(at + kBlockK * row_bytes<W>(), _MM_HINT_T0);
           v[p] = load_avx512<W>(at, s + kPanel * p);
         }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
-#pragma GCC unroll 8
-          for (int p = 0; p < P; ++p) acc[r * P + p] = _mm512_fmadd_ps(b, v[p], acc[r * P + p]);
-        }
+        step_avx512<R, P>(acc, x + k, ldx, v);
       }
     }
   }
