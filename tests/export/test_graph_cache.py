@@ -139,9 +139,12 @@ def test_parallel_compile_then_a_reexport_with_another_chunk(
 
     released = []  # a worker starts before the graphs are looked up; with none to compile it is stopped at once
     release = compile_module.WorkerProcess.release
-    monkeypatch.setattr(
-        compile_module.WorkerProcess, "release", lambda self: (released.append(self._idle), release(self))[1]
-    )
+
+    def recorded_release(worker: compile_module.WorkerProcess) -> None:
+        released.append(worker._idle)
+        release(worker)
+
+    monkeypatch.setattr(compile_module.WorkerProcess, "release", recorded_release)
     sixteen = export(model, tmp_path / "sixteen", config(prefill_chunk_size=16))
     assert released[0] is True, released
     assert not [c for c in _children(os.getpid()) if "compile_worker" in _command(c) and _running(c)]
