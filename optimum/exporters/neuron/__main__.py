@@ -67,6 +67,9 @@ def run_export(args: argparse.Namespace) -> Path:
     """Build the `NeuronConfig` from parsed flags and export. The config is built first: a bad flag is refused before
     the exporter's imports (transformers, the model code), in about half the time."""
     config = config_from_args(args)
+    from ...neuron.backends import get_backend
+
+    get_backend(config.backend).prepare_compiler(config.device)
     from .export import export
 
     return export(args.model, args.output, config, use_cache=not args.no_cache)

@@ -34,6 +34,11 @@ class Backend(ABC):
         host's vector instructions for generated CPU code...): part of each graph's cache key."""
         return ""
 
+    def prepare_compiler(self, device: str) -> None:
+        """Start finding out, in the background, what `compiler_fingerprint` needs and takes seconds to learn, so
+        that an export's imports and fingerprints overlap it. Nothing by default."""
+        return None
+
     def placement(self, device: str) -> str | torch.device:
         """Where the runtime puts weights, KV cache and inputs for graphs of this backend that run on
         ``device`` (a `NeuronConfig.device`). Most backends use the device as named."""

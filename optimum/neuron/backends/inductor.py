@@ -9,8 +9,10 @@ returns a callable.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,22 @@ _INDUCTOR_OPTIONS = {
 }
 
 
+@functools.cache
+def _vector_isa_check() -> threading.Thread:
+    """Inductor's check of which vector ISAs the CPU and the compiler support, started once in a thread. On a fresh
+    inductor cache it compiles and loads a test program per ISA the CPU has (~5 s on a 2-core VM, in compiler
+    processes, so the thread holds the interpreter's lock little); afterwards ``pick_vec_isa`` answers at once.
+    The modules it imports are imported here first: two threads importing one package's modules at once may see
+    them half initialised."""
+    import torch._inductor.codecache
+    import torch._inductor.cpp_builder  # noqa: F401
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    thread = threading.Thread(target=pick_vec_isa, name="vector-isa-check", daemon=True)
+    thread.start()
+    return thread
+
+
 class InductorBackend(Backend):
     """AOTInductor packages with external, shared weights."""
 
@@ -47,7 +65,13 @@ class InductorBackend(Backend):
             return "sm_{}{}".format(*torch.cuda.get_device_capability())
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
+        _vector_isa_check().join()
         return f"cpu:{pick_vec_isa()}:threads={torch.get_num_threads()}"
+
+    def prepare_compiler(self, device: str) -> None:
+        """On CPU, start inductor's check of the vector ISAs (`_vector_isa_check`)."""
+        if device == "cpu":
+            _vector_isa_check()
 
     def compile(self, module: nn.Module, args: tuple, path: Path, dynamic: dict[str, Any] | None = None) -> None:
         _declare_toolkit_fallbacks()
