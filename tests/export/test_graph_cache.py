@@ -282,3 +282,22 @@ def test_worker_count(model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     monkeypatch.setenv(WORKERS_ENV, "two")
     with pytest.raises(ExportError, match=WORKERS_ENV):
         worker_count(3, config(), model)
+
+
+def test_the_graph_cache_switched_off(
+    private_cache: Path, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``OPTIMUM_NEURON_GRAPH_CACHE=off`` (how the suite is timed without the per-graph cache, docs/testing.md): the
+    export compiles its graphs into the artifact and stores none; the artifact cache still serves it; a value other
+    than on / off is refused before anything is built (eager: nothing to compile)."""
+    monkeypatch.setenv("OPTIMUM_NEURON_GRAPH_CACHE", "off")
+    artifact = export(model, tmp_path / "off", config(backend="eager"))
+    assert not (private_cache / "graphs").exists() or not entries(private_cache)
+    assert greedy(artifact) == hf_greedy(model, PROMPT, 6)
+    monkeypatch.setenv("OPTIMUM_NEURON_GRAPH_CACHE", "no")
+    with pytest.raises(ExportError, match="OPTIMUM_NEURON_GRAPH_CACHE='no': use on"):
+        export(model, tmp_path / "refused", config(backend="eager", prefill_chunk_size=16))
+    assert not (tmp_path / "refused").exists()
+    monkeypatch.setenv("OPTIMUM_NEURON_GRAPH_CACHE", "on")
+    export(model, tmp_path / "on", config(backend="eager", prefill_chunk_size=16))
+    assert len(entries(private_cache)) == 2

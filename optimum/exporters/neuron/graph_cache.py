@@ -31,11 +31,14 @@ from ...neuron.backends.base import Backend
 from ...neuron.cache_admin import ENTRY_FILE, GRAPHS
 from ...neuron.cache_dir import cache_lock, cache_root
 from ...neuron.config import NeuronConfig, runtime_versions
+from ...neuron.errors import ExportError
 from ...neuron.graphs import GraphSpec, compiled_form, graph_fields
 from .cache import code_fingerprint
 
 GRAPHS_FOLDER = GRAPHS
 """The per-graph cache's folder under the cache root (named once, in the torch-free `cache_admin`)."""
+GRAPH_CACHE_SWITCH = "OPTIMUM_NEURON_GRAPH_CACHE"
+"""Environment variable: ``off`` turns the per-graph cache off (`GraphCache.default`)."""
 _MODEL_VOLATILE = (
     "_name_or_path",
     "transformers_version",
@@ -85,9 +88,14 @@ class GraphCache:
     root: Path
 
     @classmethod
-    def default(cls) -> GraphCache:
-        """The cache under ``$OPTIMUM_NEURON_CACHE``."""
-        return cls(cache_root() / GRAPHS_FOLDER)
+    def default(cls) -> GraphCache | None:
+        """The cache under ``$OPTIMUM_NEURON_CACHE``; None with ``OPTIMUM_NEURON_GRAPH_CACHE=off``: every export then
+        compiles all of its graphs (the artifact cache still serves a whole artifact), as the exporter did before the
+        per-graph cache, for measuring what the cache saves."""
+        switch = os.environ.get(GRAPH_CACHE_SWITCH, "on")
+        if switch not in ("on", "off"):
+            raise ExportError(f"{GRAPH_CACHE_SWITCH}={switch!r}: use on (the default) or off.")
+        return cls(cache_root() / GRAPHS_FOLDER) if switch == "on" else None
 
     def folder(self, key: str) -> Path:
         """The entry folder of ``key`` (it may not exist)."""
