@@ -147,7 +147,7 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, graphs: GraphCache 
     record = _entry_record(model_dir, config, hf_config)
     with StepProgress(title, 2 + len(specs)) as bar, tracing_group(config.tp_degree), ExitStack() as held:
         # workers start before the graphs are looked up: they import while the keys are computed (inductor's first
-        # check of the CPU's vector ISA compiles test programs: seconds)
+        # check of the CPU's vector ISA compiles test programs for seconds, unless the CLI started it earlier)
         workers = start_workers(worker_count(len(specs), config, model_dir), model_dir, config, held)
         keys = {spec.name: graph_key(spec, config, hf_config, backend) for spec in specs}
         lines = {spec.name: bar.line(f"{spec.name} {_shape(spec)}") for spec in specs}

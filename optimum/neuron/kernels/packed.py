@@ -135,7 +135,8 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """``q [N, K]`` int8 with values in [-8, 7], K even -> ``[ceil(N / 16), K, 8]`` uint8, read as pairs of steps of
     K ``[P, K / 2, 16]``: byte ``j`` of pair ``i`` of panel ``p`` holds ``q[16 p + j, 2 i]`` in its low nibble and
     ``q[16 p + j, 2 i + 1]`` in its high nibble, each as 4-bit two's complement (zero past N: a zero byte is two zero
-    weights). One 16-byte load gives the kernel two steps of a panel, each a shift or two away from its integers."""
+    weights). One 16-byte load gives the kernel two steps of a panel (each nibble a shift or two, or on AVX-512 a table
+    lookup, away from its value)."""
     _check_quantized(q, -8, 7)
     if q.shape[1] % 2:
         raise ValueError(f"int4 panels pair the steps of K: K must be even, got {q.shape[1]}")

@@ -97,16 +97,8 @@ inline float load_scalar(const char* at, int64_t k, int64_t j, const float* s) {
 // value as the byte's top nibble (an arithmetic right shift by 4 gives it with its sign) and the even step's as its
 // low nibble (left by 28, then arithmetic right by 28): the same integers as the portable (n ^ 8) - 8. The AVX-512
 // path looks the nibbles up in a table instead (`dequantize_avx512`).
-template <bool Odd, typename V>
-inline V nibble_of(V bytes);
-
-template <>
-__attribute__((target("avx2,fma"))) inline __m256i nibble_of<false>(__m256i bytes) {
-  return _mm256_srai_epi32(_mm256_slli_epi32(bytes, 28), 28);
-}
-template <>
-__attribute__((target("avx2,fma"))) inline __m256i nibble_of<true>(__m256i bytes) {
-  return _mm256_srai_epi32(bytes, 4);
+__attribute__((target("avx2,fma"))) inline __m256i nibble_avx2(__m256i bytes, bool odd) {
+  return odd ? _mm256_srai_epi32(bytes, 4) : _mm256_srai_epi32(_mm256_slli_epi32(bytes, 28), 28);
 }
 
 // The AVX2 loader: step k's panel row (at `row_at`) as two 8-float vectors.
@@ -121,8 +113,8 @@ __attribute__((target("avx2,fma"))) inline void load_avx2(const char* at, int64_
   __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)));
   __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8)));
   if (W == Kind::kI4) {
-    a = (k & 1) ? nibble_of<true>(a) : nibble_of<false>(a);
-    b = (k & 1) ? nibble_of<true>(b) : nibble_of<false>(b);
+    a = nibble_avx2(a, k & 1);
+    b = nibble_avx2(b, k & 1);
   }
   *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_loadu_ps(s));
   *hi = _mm256_mul_ps(_mm256_cvtepi32_ps(b), _mm256_loadu_ps(s + 8));
@@ -139,7 +131,7 @@ __attribute__((target("avx512f"))) inline __m512 load_avx512(const char* at, con
 // Step k's int4 row from the pair's sign-extended bytes, dequantized: one multiply by the scales s. The integer
 // comes from a 16-float table indexed by the nibble (a permute reads only the index's low 4 bits: the byte for the
 // even step, the byte shifted right by 4 for the odd one): the same floats as converting the AVX2 path's integers
-// (`nibble_of`), in one instruction instead of a conversion and one or two shifts.
+// (`nibble_avx2`), in one instruction instead of a conversion and one or two shifts.
 template <bool Odd>
 __attribute__((target("avx512f"))) inline __m512 dequantize_avx512(__m512i bytes, const float* s) {
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
@@ -198,7 +190,6 @@ __attribute__((target("avx2,fma"))) void tile_fma(const Tile& t) {
     for (int j = 0; j < A; ++j) _mm256_storeu_ps(t.out + r * t.ldout + 8 * j, acc[r * A + j]);
 }
 
-// The same tile with one 16-float register per panel row (the same fused multiply-adds, in the same order).
 // One step's fused multiply-adds of an AVX-512 tile: acc[r, p] += x[r * ldx] * v[p], row by row.
 template <int R, int P>
 __attribute__((target("avx512f"))) inline void step_avx512(__m512* acc, const float* x, int64_t ldx, const __m512* v) {
@@ -210,6 +201,7 @@ __attribute__((target("avx512f"))) inline void step_avx512(__m512* acc, const fl
   }
 }
 
+// The same tile with one 16-float register per panel row (the same fused multiply-adds, in the same order).
 template <Kind W, int R, int P>
 __attribute__((target("avx512f"))) void tile_avx512(const Tile& t) {
   __m512 acc[R * P];
