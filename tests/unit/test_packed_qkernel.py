@@ -1,7 +1,8 @@
 """The weight-only int8 / int4 packed kernel (``optimum_neuron::packed_qlinear``): its layouts (pack / unpack round
-trips), its contract (bitwise ``packed_linear`` on the packed dequantized weight, for every group size, with group
-boundaries inside a K block), the order of its sums (a row's result depends on that row only) and its refusals. The
-AVX-512 / AVX2 equality of its paths is in test_packed_kernel.py's two-process test."""
+trips), its contracts for every group size, with group boundaries inside a K block (int8: bitwise ``packed_linear`` on
+the packed dequantized weight; int4: bitwise the sums of `_int4_reference`, the scale taken once per run of a group),
+the order of its sums (a row's result depends on that row only) and its refusals. The AVX-512 / AVX2 equality of its
+paths is in test_packed_kernel.py's two-process test."""
 
 from __future__ import annotations
 
@@ -41,6 +42,40 @@ def _dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * scales.repeat_interleave(q.shape[1] // scales.shape[1], dim=1)
 
 
+BLOCK = 64
+"""The kernel's K block (``kBlockK``): an int4 run of a scale group ends at a block's end too."""
+
+
+def _int4_reference(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fused: bool = True
+) -> torch.Tensor:
+    """packed_qlinear's int4 result, emulated: for each run of k steps sharing a scale group inside a K block,
+    ``g = sum(x[:, k] * q[:, k])`` in order from zero, then ``out = g * scale + out``; the bias last. ``fused``: the
+    vector paths (one rounding per fused multiply-add), else the portable one (the product rounded, then the sum).
+    float64 holds each product exactly (a float32 times a 4-bit integer, or times a float32 scale) and each sum of two
+    such values, then rounds to float32 where the kernel rounds."""
+    rows, inp = x.shape
+    group = inp // scales.shape[1]
+    x64, q64, s64 = x.double(), q.double(), scales.double()
+
+    def f32(t: torch.Tensor) -> torch.Tensor:
+        return t.float().double()
+
+    out = torch.zeros(rows, q.shape[0], dtype=torch.float64)
+    for block in range(0, inp, BLOCK):
+        k, stop = block, min(block + BLOCK, inp)
+        while k < stop:
+            end = min(stop, (k // group + 1) * group)
+            g = torch.zeros_like(out)
+            for i in range(k, end):
+                product = x64[:, i : i + 1] * q64[:, i]
+                g = f32(g + (product if fused else f32(product)))
+            scaled = g * s64[:, k // group]
+            out = f32(out + (scaled if fused else f32(scaled)))
+            k = end
+    return (out if bias is None else f32(out + bias.double())).float()
+
+
 def _cases() -> list[tuple[int, int, int, int]]:
     return [
         (bits, out, inp, group)
@@ -50,11 +85,20 @@ def _cases() -> list[tuple[int, int, int, int]]:
     ]
 
 
+def _expected(
+    bits: int, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """What packed_qlinear must return, bitwise, on a vector path: int8 ``packed_linear`` on the packed dequantized
+    weight, int4 `_int4_reference`."""
+    if bits == 8:
+        return packed.packed_linear(x, packed.pack(_dequantize(q, scales)), bias, q.shape[0])
+    return _int4_reference(x.reshape(-1, x.shape[-1]), q, scales, bias).view(*x.shape[:-1], q.shape[0])
+
+
 @pytest.mark.parametrize(("bits", "out", "inp", "group"), _cases())
-def test_bitwise_packed_linear_on_the_dequantized_weight(bits: int, out: int, inp: int, group: int) -> None:
+def test_bitwise_the_contract_of_each_format(bits: int, out: int, inp: int, group: int) -> None:
     q, scales = _quantized(out, inp, bits, group)
     weight, table = BITS[bits][2](q), packed.pack_scales(scales)
-    reference = packed.pack(_dequantize(q, scales))
     torch.manual_seed(inp + group)
     bias = torch.randn(out)
     for rows in ROWS:
@@ -62,11 +106,9 @@ def test_bitwise_packed_linear_on_the_dequantized_weight(bits: int, out: int, in
         for b in (None, bias):
             got = packed.packed_qlinear(x, weight, table, b, out)
             assert got.shape == (rows, out) and got.dtype == torch.float32
-            assert torch.equal(got, packed.packed_linear(x, reference, b, out)), (rows, b is None)
+            assert torch.equal(got, _expected(bits, x, q, scales, b)), (rows, b is None)
     x = torch.randn(2, 3, inp)
-    assert torch.equal(
-        packed.packed_qlinear(x, weight, table, bias, out), packed.packed_linear(x, reference, bias, out)
-    )
+    assert torch.equal(packed.packed_qlinear(x, weight, table, bias, out), _expected(bits, x, q, scales, bias))
 
 
 @pytest.mark.parametrize("bits", list(BITS))
@@ -201,8 +243,11 @@ def test_the_shape_function_matches_the_kernel() -> None:
 
 
 _CONTRACT = """
+import sys
 import torch
 from optimum.neuron.kernels import library, packed
+sys.path.insert(0, sys.argv[1])
+from test_packed_qkernel import _int4_reference
 library.load()
 torch.manual_seed(4)
 for pack_q, low, high in ((packed.pack_int8, -127, 127), (packed.pack_int4, -8, 7)):
@@ -213,16 +258,21 @@ for pack_q, low, high in ((packed.pack_int8, -127, 127), (packed.pack_int4, -8, 
         for rows in (1, 7):
             x, b = torch.randn(rows, k), torch.randn(n)
             got = packed.packed_qlinear(x, pack_q(q), packed.pack_scales(s), b, n)
-            assert torch.equal(got, packed.packed_linear(x, packed.pack(w), b, n)), (n, k, group, rows)
+            if pack_q is packed.pack_int8:
+                want = packed.packed_linear(x, packed.pack(w), b, n)
+            else:
+                want = _int4_reference(x, q, s, b, fused=False)
+            assert torch.equal(got, want), (n, k, group, rows)
 """
 
 
 def test_the_portable_path_keeps_the_contract() -> None:
-    """OPTIMUM_NEURON_PACKED_ISA=portable (read once: its own process): the scalar loaders, the same bitwise equality
-    with packed_linear's portable tile."""
+    """OPTIMUM_NEURON_PACKED_ISA=portable (read once: its own process): the scalar loaders and tiles, bitwise int8
+    ``packed_linear``'s portable tile on the dequantized weight and int4 `_int4_reference` with its roundings."""
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     env = {**os.environ, "OPTIMUM_NEURON_PACKED_ISA": "portable"}
-    subprocess.run([sys.executable, "-c", _CONTRACT], env=env, check=True)
+    subprocess.run([sys.executable, "-c", _CONTRACT, str(Path(__file__).parent)], env=env, check=True)

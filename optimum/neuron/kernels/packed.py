@@ -9,10 +9,12 @@ else AVX2 + FMA (bitwise equal results), else portable C++; ``OPTIMUM_NEURON_PAC
 a lesser path, read once per process.
 
 ``optimum_neuron::packed_qlinear`` is its weight-only int8 / int4 twin, on the same panels (`pack_int8`, `pack_int4`)
-with fp32 scales per output column and group of K (`pack_scales`): it dequantizes each panel row at load,
-``float(q) * scale`` in fp32 (one rounding), then runs packed_linear's multiply-adds in packed_linear's order, so its
-result is bitwise ``packed_linear(x, pack(q * scales))``: a quarter (int8) or an eighth (int4) of the weight bytes to
-read, the same numbers as the dequantized fp32 weight.
+with fp32 scales per output column and group of K (`pack_scales`): a quarter (int8) or an eighth (int4) of the weight
+bytes to read. int8 dequantizes each panel row at load, ``float(q) * scale`` in fp32 (one rounding), then runs
+packed_linear's multiply-adds in packed_linear's order: bitwise ``packed_linear(x, pack(q * scales))``. int4 takes
+each scale once per run of its group: for each run of k steps sharing a group inside the kernel's K block of 64, the
+sum of ``x * q`` over the run in order (exact integer products), then ``out = fma(sum, scale, out)``; no multiply
+per weight, so its products are bound by the bytes they stream, and within float32 rounding of the same product.
 
 The operators' schemas and their shape functions are defined here (what ``torch.export`` and AOTInductor need: a
 compiled graph calls the operator by name through the dispatcher); their CPU implementation is the toolkit's small C++
@@ -73,8 +75,9 @@ def packed_qlinear(
 
     ``weight`` is ``pack_int8(q)`` (int8) or ``pack_int4(q)`` (int4) of ``q [N, K]``, ``scales`` is
     ``pack_scales(s)`` of ``s [N, groups]``; ``W[n, k] = float(q[n, k]) * s[n, k // (K // groups)]``, one fp32
-    multiply. The result is bitwise ``packed_linear(x, pack(W), bias, out_features)``. Bad dtypes or shapes (groups
-    not dividing K included) raise RuntimeError."""
+    multiply. int8: the result is bitwise ``packed_linear(x, pack(W), bias, out_features)``; int4: each scale is
+    taken once per run of its group (the module docstring). Bad dtypes or shapes (groups not dividing K included)
+    raise RuntimeError."""
     return torch.ops.optimum_neuron.packed_qlinear(x, weight, scales, bias, out_features)
 
 

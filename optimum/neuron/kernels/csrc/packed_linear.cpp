@@ -17,17 +17,19 @@
 // Weight-only int8 / int4 (optimum_neuron::packed_qlinear). The same panels hold int8 weights ([panels, K, 16] int8)
 // or int4 pairs ([panels, K, 8] uint8, read as [panels, K / 2, 16]: byte j of pair i holds column j at k = 2i in its
 // low nibble and at k = 2i + 1 in its high one, each a signed 4-bit value; K and the group size even), with fp32
-// scales [groups, panels * 16]: k takes the scales of group k / (K / groups). The
-// tiles are the same templates over the weight kind: a loader per kind and path turns a panel row into fp32,
-// float(q) * scale (one multiply, one rounding), and the fused multiply-adds that follow are packed_linear's, in its
-// order. So packed_qlinear(x, q, s) is bitwise packed_linear(x, pack(q * s)) on every path, a row's result still
-// depends on that row only, and the AVX2 and AVX-512 paths stay bitwise equal.
+// scales [groups, panels * 16]: k takes the scales of group k / (K / groups). int8 runs packed_linear's tiles with a
+// loader that turns a panel row into fp32, float(q) * scale (one multiply, one rounding), then packed_linear's fused
+// multiply-adds in its order: packed_qlinear(x, q8, s) is bitwise packed_linear(x, pack(q8 * s)) on every path. int4
+// has its own tiles (panel_tiles.h, "int4 tiles"): the sum of x * q over each run of a scale group inside a K block,
+// then times the scale into the output, no multiply per weight. Either way a row's result depends on that row only,
+// and the AVX2 and AVX-512 paths are bitwise equal.
 //
 // Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block);
 // each thread walks K in blocks of 64 and, within a block, every row block (up to 8 rows on AVX-512, 6 on AVX2:
 // `max_rows`) over the group (`panel_group`), so the panel's block stays in L1 while every row uses it, and the memory
-// stream of the weights never pauses for a second row block. The first row block prefetches the next K block of the
-// panels (once per cache line of each panel's stream: every k step for fp32, every 4th for int8, every 8th for int4).
+// stream of the weights never pauses for a second row block. The first row block prefetches the panels ahead (once
+// per cache line of each panel's stream: every k step for fp32, every 4th for int8, every 8th for int4): the next K
+// block for fp32 and int8, 1 KiB ahead for int4.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

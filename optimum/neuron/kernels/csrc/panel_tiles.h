@@ -1,8 +1,10 @@
 // The register tiles of the toolkit's panel GEMM, shared by packed_linear.cpp (the linear layers) and
 // chunk_attention.cpp (the two products of a prefill chunk's attention): y [M, 16 P] = x [M, K] times P panels of
 // [K, 16] (`Tile`, `tile_for`), on the AVX-512, AVX2 + FMA and portable paths; `panel_group`, one group of panels over
-// every K block and row block (what packed_linear's threads each run); `gemm_serial`, the whole product on one thread. Every output element is one fp32 accumulator taking x[m, k] * w[k, n] for k = 0, 1, ... in order,
-// whatever the blocking (packed_linear.cpp states the rule).
+// every K block and row block (what packed_linear's threads each run); `gemm_serial`, the whole product on one
+// thread. Every output element of fp32 and int8 panels is one fp32 accumulator taking x[m, k] * w[k, n] for
+// k = 0, 1, ... in order, whatever the blocking (packed_linear.cpp states the rule); int4 panels sum each run of a
+// scale group, then scale it ("int4 tiles" below).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -82,61 +84,44 @@ inline const char* row_at(const char* panel, int64_t k) {
   return W == Kind::kI4 ? panel + (k >> 1) * 16 : panel + k * row_bytes<W>();
 }
 
-// The portable loader: column j of step k's panel row (`row_at`), dequantized in fp32 as one multiply (one rounding).
+// The portable loader: column j of a panel row (fp32, or int8 dequantized in fp32 as one multiply: one rounding).
 template <Kind W>
-inline float load_scalar(const char* at, int64_t k, int64_t j, const float* s) {
+inline float load_scalar(const char* at, int64_t j, const float* s) {
+  static_assert(W != Kind::kI4, "int4 panels have their own tiles");
   if (W == Kind::kF32) return reinterpret_cast<const float*>(at)[j];
-  if (W == Kind::kI8) return static_cast<float>(reinterpret_cast<const int8_t*>(at)[j]) * s[j];
-  const uint8_t byte = reinterpret_cast<const uint8_t*>(at)[j];
+  return static_cast<float>(reinterpret_cast<const int8_t*>(at)[j]) * s[j];
+}
+
+// The int4 value of column j at step k, from the 16 bytes of its pair of steps (`row_at`): a signed 4-bit nibble.
+inline float int4_scalar(const char* pair, int64_t k, int64_t j) {
+  const uint8_t byte = reinterpret_cast<const uint8_t*>(pair)[j];
   const int nibble = (k & 1) ? (byte >> 4) : (byte & 0x0F);
-  return static_cast<float>((nibble ^ 8) - 8) * s[j];
+  return static_cast<float>((nibble ^ 8) - 8);
 }
 
 #ifdef OPTIMUM_NEURON_X86
-// int4 on the AVX2 path: the 16 bytes of a pair of steps, sign-extended one byte per lane, hold the odd step's
-// value as the byte's top nibble (an arithmetic right shift by 4 gives it with its sign) and the even step's as its
-// low nibble (left by 28, then arithmetic right by 28): the same integers as the portable (n ^ 8) - 8. The AVX-512
-// path looks the nibbles up in a table instead (`dequantize_avx512`).
-__attribute__((target("avx2,fma"))) inline __m256i nibble_avx2(__m256i bytes, bool odd) {
-  return odd ? _mm256_srai_epi32(bytes, 4) : _mm256_srai_epi32(_mm256_slli_epi32(bytes, 28), 28);
-}
-
-// The AVX2 loader: step k's panel row (at `row_at`) as two 8-float vectors.
+// The AVX2 loader: a panel row (fp32, or int8 dequantized as one multiply) as two 8-float vectors.
 template <Kind W>
-__attribute__((target("avx2,fma"))) inline void load_avx2(const char* at, int64_t k, const float* s, __m256* lo,
-                                                          __m256* hi) {
+__attribute__((target("avx2,fma"))) inline void load_avx2(const char* at, const float* s, __m256* lo, __m256* hi) {
+  static_assert(W != Kind::kI4, "int4 panels have their own tiles");
   if (W == Kind::kF32) {
     *lo = _mm256_loadu_ps(reinterpret_cast<const float*>(at));
     *hi = _mm256_loadu_ps(reinterpret_cast<const float*>(at) + 8);
     return;
   }
-  __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)));
-  __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8)));
-  if (W == Kind::kI4) {
-    a = nibble_avx2(a, k & 1);
-    b = nibble_avx2(b, k & 1);
-  }
+  const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)));
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 8)));
   *lo = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_loadu_ps(s));
   *hi = _mm256_mul_ps(_mm256_cvtepi32_ps(b), _mm256_loadu_ps(s + 8));
 }
 
-// The AVX-512 loader: step k's panel row (fp32 or int8) as one 16-float vector; int4 pairs: `tile_avx512`.
+// The AVX-512 loader: a panel row (fp32, or int8 dequantized as one multiply) as one 16-float vector.
 template <Kind W>
 __attribute__((target("avx512f"))) inline __m512 load_avx512(const char* at, const float* s) {
+  static_assert(W != Kind::kI4, "int4 panels have their own tiles");
   if (W == Kind::kF32) return _mm512_loadu_ps(reinterpret_cast<const float*>(at));
   const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
   return _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_loadu_ps(s));
-}
-
-// Step k's int4 row from the pair's sign-extended bytes, dequantized: one multiply by the scales s. The integer
-// comes from a 16-float table indexed by the nibble (a permute reads only the index's low 4 bits: the byte for the
-// even step, the byte shifted right by 4 for the odd one): the same floats as converting the AVX2 path's integers
-// (`nibble_avx2`), in one instruction instead of a conversion and one or two shifts.
-template <bool Odd>
-__attribute__((target("avx512f"))) inline __m512 dequantize_avx512(__m512i bytes, const float* s) {
-  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
-  const __m512i nibble = Odd ? _mm512_srli_epi32(bytes, 4) : bytes;
-  return _mm512_mul_ps(_mm512_permutexvar_ps(nibble, values), _mm512_loadu_ps(s));
 }
 
 template <Kind W, int R, int P>
@@ -166,7 +151,7 @@ __attribute__((target("avx2,fma"))) void tile_fma(const Tile& t) {
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<W>(w + p * ldw, k);
         if (fetch) _mm_prefetch(at + kBlockK * row_bytes<W>(), _MM_HINT_T0);
-        load_avx2<W>(at, k, s + kPanel * p, &v[2 * p], &v[2 * p + 1]);
+        load_avx2<W>(at, s + kPanel * p, &v[2 * p], &v[2 * p + 1]);
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -221,36 +206,16 @@ __attribute__((target("avx512f"))) void tile_avx512(const Tile& t) {
   for (int64_t k = 0; k < steps;) {
     const float* s;
     const int64_t end = group_end<W>(t, k, &s);
-    if constexpr (W == Kind::kI4) {
-      // a pair of steps per load (k is even: blocks, groups and K are): the even step's multiply-adds, then the odd's
-      for (; k < end; k += 2) {
-        __m512i bytes[P];
-        __m512 v[P];
-        const bool fetch = prefetch && prefetch_step<W>(k);
+    for (; k < end; ++k) {
+      __m512 v[P];
+      const bool fetch = prefetch && prefetch_step<W>(k);
 #pragma GCC unroll 8
-        for (int p = 0; p < P; ++p) {
-          const char* at = row_at<W>(w + p * ldw, k);
-          if (fetch) _mm_prefetch(at + kBlockK * row_bytes<W>(), _MM_HINT_T0);
-          bytes[p] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
-          v[p] = dequantize_avx512<false>(bytes[p], s + kPanel * p);
-        }
-        step_avx512<R, P>(acc, x + k, ldx, v);
-#pragma GCC unroll 8
-        for (int p = 0; p < P; ++p) v[p] = dequantize_avx512<true>(bytes[p], s + kPanel * p);
-        step_avx512<R, P>(acc, x + k + 1, ldx, v);
+      for (int p = 0; p < P; ++p) {
+        const char* at = row_at<W>(w + p * ldw, k);
+        if (fetch) _mm_prefetch(at + kBlockK * row_bytes<W>(), _MM_HINT_T0);
+        v[p] = load_avx512<W>(at, s + kPanel * p);
       }
-    } else {
-      for (; k < end; ++k) {
-        __m512 v[P];
-        const bool fetch = prefetch && prefetch_step<W>(k);
-#pragma GCC unroll 8
-        for (int p = 0; p < P; ++p) {
-          const char* at = row_at<W>(w + p * ldw, k);
-          if (fetch) _mm_prefetch(at + kBlockK * row_bytes<W>(), _MM_HINT_T0);
-          v[p] = load_avx512<W>(at, s + kPanel * p);
-        }
-        step_avx512<R, P>(acc, x + k, ldx, v);
-      }
+      step_avx512<R, P>(acc, x + k, ldx, v);
     }
   }
   if (t.bias != nullptr) {
@@ -282,8 +247,8 @@ void tile_portable(const Tile& t) {
       float v[C];
       for (int p = 0; p < P; ++p)
         for (int j = 0; j < kPanel; ++j)
-          v[p * kPanel + j] = load_scalar<W>(row_at<W>(t.w + p * t.ldw, k), k, j,
-                                             W == Kind::kF32 ? nullptr : s + p * kPanel);
+          v[p * kPanel + j] =
+              load_scalar<W>(row_at<W>(t.w + p * t.ldw, k), j, W == Kind::kF32 ? nullptr : s + p * kPanel);
       for (int r = 0; r < R; ++r) {
         const float b = t.x[r * t.ldx + k];
         for (int c = 0; c < C; ++c) acc[r][c] += b * v[c];
@@ -294,6 +259,162 @@ void tile_portable(const Tile& t) {
     for (int c = 0; c < C; ++c) t.out[r * t.ldout + c] = t.bias == nullptr ? acc[r][c] : acc[r][c] + t.bias[c];
 }
 
+// int4 tiles. Their sums take the scales once per run instead of once per weight: for each run of k steps that share
+// a scale group inside a K block (`group_end`), g = the sum over the run, in order, of x[m, k] * q[k, n] with q the
+// nibble's integer (exact as a float; fused multiply-adds from zero on the vector paths), then
+// out[m, n] = fma(g, scale[n], out[m, n]), out being zero before the first run and the partial sums after it (the
+// portable path: g * scale + out, two roundings); the bias last. No multiply per weight, so a decode step's int4
+// products are bound by the stream of bytes rather than by the vector units; the order depends only on the group
+// size and the K block, never on the rows, the blocking or the threads, so a row's result still depends on that row
+// only, and the AVX2 and AVX-512 paths are bitwise equal. The stream is prefetched kPrefetchI4 bytes ahead (a panel
+// of int4 advances 8 bytes a step: one block ahead was too short to hide the memory's latency).
+constexpr int64_t kPrefetchI4 = 1024;
+
+// The start of a run's sums: zero before the tile's first run when the tile starts the product (t.in null), else the
+// partial sums so far (t.in before the tile's first run, t.out after it), row stride *ld.
+inline const float* run_base(const Tile& t, bool first, int64_t* ld) {
+  *ld = first ? t.ldin : t.ldout;
+  return first ? t.in : t.out;
+}
+
+// The portable int4 tile (no fused multiply-add: the machine's own rounding, the same order).
+template <int R, int P>
+void tile_int4_portable(const Tile& t) {
+  constexpr int C = P * kPanel;
+  for (int64_t k = 0, run = 0; k < t.steps; ++run) {
+    const float* s;
+    const int64_t end = group_end<Kind::kI4>(t, k, &s);
+    float g[R][C] = {};
+    for (; k < end; ++k) {
+      float v[C];
+      for (int p = 0; p < P; ++p)
+        for (int j = 0; j < kPanel; ++j)
+          v[p * kPanel + j] = int4_scalar(row_at<Kind::kI4>(t.w + p * t.ldw, k), k, j);
+      for (int r = 0; r < R; ++r) {
+        const float b = t.x[r * t.ldx + k];
+        for (int c = 0; c < C; ++c) g[r][c] += b * v[c];
+      }
+    }
+    int64_t ld;
+    const float* base = run_base(t, run == 0, &ld);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        t.out[r * t.ldout + c] = g[r][c] * s[c] + (base == nullptr ? 0.0f : base[r * ld + c]);
+  }
+  if (t.bias != nullptr)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) t.out[r * t.ldout + c] += t.bias[c];
+}
+
+#ifdef OPTIMUM_NEURON_X86
+// int4 on the AVX2 path: the 16 bytes of a pair of steps, sign-extended one byte per lane, hold the odd step's
+// value as the byte's top nibble (an arithmetic right shift by 4 gives it with its sign) and the even step's as its
+// low nibble (left by 28, then arithmetic right by 28): the same integers as the portable (n ^ 8) - 8.
+__attribute__((target("avx2,fma"))) inline __m256 nibble_avx2(const char* bytes, bool odd) {
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+  return _mm256_cvtepi32_ps(odd ? _mm256_srai_epi32(b, 4) : _mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28));
+}
+
+template <int R, int P>
+__attribute__((target("avx2,fma"))) void tile_int4_fma(const Tile& t) {
+  constexpr int A = 2 * P;
+  const bool prefetch = t.prefetch;
+  for (int64_t k = 0, run = 0; k < t.steps; ++run) {
+    const float* s;
+    const int64_t end = group_end<Kind::kI4>(t, k, &s);
+    __m256 g[R * A];
+#pragma GCC unroll 32
+    for (int i = 0; i < R * A; ++i) g[i] = _mm256_setzero_ps();
+    for (; k < end; ++k) {
+      __m256 v[A];
+      const bool fetch = prefetch && prefetch_step<Kind::kI4>(k);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        const char* at = row_at<Kind::kI4>(t.w + p * t.ldw, k);
+        if (fetch) _mm_prefetch(at + kPrefetchI4, _MM_HINT_T0);
+        v[2 * p] = nibble_avx2(at, k & 1);
+        v[2 * p + 1] = nibble_avx2(at + 8, k & 1);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_broadcast_ss(t.x + r * t.ldx + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < A; ++j) g[r * A + j] = _mm256_fmadd_ps(b, v[j], g[r * A + j]);
+      }
+    }
+    int64_t ld;
+    const float* base = run_base(t, run == 0, &ld);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < A; ++j) {
+        const __m256 prior = base == nullptr ? _mm256_setzero_ps() : _mm256_loadu_ps(base + r * ld + 8 * j);
+        const __m256 scale = _mm256_loadu_ps(s + 8 * j);
+        _mm256_storeu_ps(t.out + r * t.ldout + 8 * j, _mm256_fmadd_ps(g[r * A + j], scale, prior));
+      }
+  }
+  if (t.bias != nullptr)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < A; ++j) {
+        float* out = t.out + r * t.ldout + 8 * j;
+        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), _mm256_loadu_ps(t.bias + 8 * j)));
+      }
+}
+
+// The AVX-512 int4 tile. One 16-byte load sign-extended serves a pair of steps; a nibble's integer comes from a
+// 16-float table (a permute reads only the index's low 4 bits: the byte for the even step, the byte shifted right by 4
+// for the odd one): the same floats as the AVX2 path's conversion, in one instruction.
+template <int R, int P>
+__attribute__((target("avx512f"))) void tile_int4_avx512(const Tile& t) {
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+  const bool prefetch = t.prefetch;
+  for (int64_t k = 0, run = 0; k < t.steps; ++run) {
+    const float* s;
+    const int64_t end = group_end<Kind::kI4>(t, k, &s);
+    __m512 g[R * P];
+#pragma GCC unroll 32
+    for (int i = 0; i < R * P; ++i) g[i] = _mm512_setzero_ps();
+    for (; k < end; k += 2) {  // k is even: blocks, groups and K are
+      __m512i bytes[P];
+      __m512 v[P];
+      const bool fetch = prefetch && prefetch_step<Kind::kI4>(k);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        const char* at = row_at<Kind::kI4>(t.w + p * t.ldw, k);
+        if (fetch) _mm_prefetch(at + kPrefetchI4, _MM_HINT_T0);
+        bytes[p] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+        v[p] = _mm512_permutexvar_ps(bytes[p], values);
+      }
+      step_avx512<R, P>(g, t.x + k, t.ldx, v);
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) v[p] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes[p], 4), values);
+      step_avx512<R, P>(g, t.x + k + 1, t.ldx, v);
+    }
+    int64_t ld;
+    const float* base = run_base(t, run == 0, &ld);
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      const __m512 scale = _mm512_loadu_ps(s + kPanel * p);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 prior = base == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(base + r * ld + kPanel * p);
+        _mm512_storeu_ps(t.out + r * t.ldout + kPanel * p, _mm512_fmadd_ps(g[r * P + p], scale, prior));
+      }
+    }
+  }
+  if (t.bias != nullptr)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int p = 0; p < P; ++p) {
+        float* out = t.out + r * t.ldout + kPanel * p;
+        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), _mm512_loadu_ps(t.bias + kPanel * p)));
+      }
+}
+#endif
+
 using TileFn = void (*)(const Tile&);
 
 // Vector registers a tile may hold as accumulators (the rest: the panels' weights and the broadcast), and how many
@@ -301,18 +422,40 @@ using TileFn = void (*)(const Tile&);
 int64_t accumulators() { return isa() == Isa::kAvx512 ? 24 : 12; }
 int64_t registers_per_panel() { return isa() == Isa::kAvx512 ? 1 : 2; }
 
+// Each path's tile of R rows x P panels of kind W: int4 panels have their own.
+template <Kind W, int R, int P>
+constexpr TileFn portable_tile() {
+  if constexpr (W == Kind::kI4) return tile_int4_portable<R, P>;
+  else return tile_portable<W, R, P>;
+}
+
+#ifdef OPTIMUM_NEURON_X86
+template <Kind W, int R, int P>
+constexpr TileFn fma_tile() {
+  if constexpr (W == Kind::kI4) return tile_int4_fma<R, P>;
+  else return tile_fma<W, R, P>;
+}
+
+template <Kind W, int R, int P>
+constexpr TileFn avx512_tile() {
+  if constexpr (W == Kind::kI4) return tile_int4_avx512<R, P>;
+  else return tile_avx512<W, R, P>;
+}
+#endif
+
 template <Kind W, int P>
 TileFn tile_for_rows(int64_t rows) {
-  static const TileFn portable[kMaxRows] = {tile_portable<W, 1, P>, tile_portable<W, 2, P>, tile_portable<W, 3, P>,
-                                            tile_portable<W, 4, P>, tile_portable<W, 5, P>, tile_portable<W, 6, P>,
-                                            tile_portable<W, 7, P>, tile_portable<W, 8, P>};
+  static const TileFn portable[kMaxRows] = {portable_tile<W, 1, P>(), portable_tile<W, 2, P>(),
+                                            portable_tile<W, 3, P>(), portable_tile<W, 4, P>(),
+                                            portable_tile<W, 5, P>(), portable_tile<W, 6, P>(),
+                                            portable_tile<W, 7, P>(), portable_tile<W, 8, P>()};
 #ifdef OPTIMUM_NEURON_X86
-  static const TileFn fma[kMaxRows] = {tile_fma<W, 1, P>, tile_fma<W, 2, P>, tile_fma<W, 3, P>,
-                                       tile_fma<W, 4, P>, tile_fma<W, 5, P>, tile_fma<W, 6, P>,
-                                       tile_fma<W, 7, P>, tile_fma<W, 8, P>};
-  static const TileFn avx512[kMaxRows] = {tile_avx512<W, 1, P>, tile_avx512<W, 2, P>, tile_avx512<W, 3, P>,
-                                          tile_avx512<W, 4, P>, tile_avx512<W, 5, P>, tile_avx512<W, 6, P>,
-                                          tile_avx512<W, 7, P>, tile_avx512<W, 8, P>};
+  static const TileFn fma[kMaxRows] = {fma_tile<W, 1, P>(), fma_tile<W, 2, P>(), fma_tile<W, 3, P>(),
+                                       fma_tile<W, 4, P>(), fma_tile<W, 5, P>(), fma_tile<W, 6, P>(),
+                                       fma_tile<W, 7, P>(), fma_tile<W, 8, P>()};
+  static const TileFn avx512[kMaxRows] = {avx512_tile<W, 1, P>(), avx512_tile<W, 2, P>(), avx512_tile<W, 3, P>(),
+                                          avx512_tile<W, 4, P>(), avx512_tile<W, 5, P>(), avx512_tile<W, 6, P>(),
+                                          avx512_tile<W, 7, P>(), avx512_tile<W, 8, P>()};
   if (isa() == Isa::kAvx512) return avx512[rows - 1];
   if (isa() == Isa::kAvx2) return fma[rows - 1];
 #endif

@@ -7,8 +7,8 @@ Two forms of each twin, chosen with the packed kernel (`NeuronConfig.packed_line
 
 * **packed** (fp32 on the CPU): the weight in the packed kernel's quantized panels (``[P, K, 16]`` int8, or
   ``[P, K, 8]`` uint8 two int4 values per byte) and its scales ``[groups, P * 16]``; ``optimum_neuron::packed_qlinear``
-  reads the quantized bytes and dequantizes each panel row in registers, so a decode step streams a quarter (int8)
-  or an eighth (int4) of the fp32 bytes;
+  reads the quantized bytes in registers (int8 dequantized per panel row, int4 scaled once per run of its group:
+  `kernels.packed`), so a decode step streams a quarter (int8) or an eighth (int4) of the fp32 bytes;
 * **dequantizing** (every other backend, dtype and device; the form NxD's quantized layers compile): int8 values
   ``[N, K]`` and scales ``[N, groups]``, dequantized in the graph (``q * scale``) before torch's linear.
 
