@@ -101,14 +101,32 @@ class InductorBackend(Backend):
 
 
 class _BoundGraph:
-    """An AOTInductor model whose constants are loaded; the only way the runtime reaches it."""
+    """An AOTInductor model whose constants are loaded; the only way the runtime reaches it.
 
-    def __init__(self, package: object) -> None:
+    A call hands the flat list of input tensors to the package's loader (``boxed_run``) itself: the package's own
+    ``__call__`` reads and parses its call spec and flattens and unflattens through pytree on every call (~70 us of a
+    3.5 ms batch-1 int4 decode step on the 2-core VM). The runtime's arguments are tensors, lists of tensors (the KV
+    cache) and None (an optional input left out), in the graph's order: flattened here as pytree flattens them, the
+    Nones dropped as the package drops them."""
+
+    def __init__(self, package: Any) -> None:
+        from torch.utils import _pytree as pytree
+
         self._package = package
+        self._out_spec = pytree.treespec_loads(package.loader.get_call_spec()[1])
+        self._unflatten = pytree.tree_unflatten
 
     def __call__(self, *args: object) -> torch.Tensor:
+        flat: list[torch.Tensor] = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                flat.append(arg)
+            elif isinstance(arg, (list, tuple)):
+                flat.extend(arg)
+            elif arg is not None:
+                raise TypeError(f"a compiled graph takes tensors, lists of tensors or None; got {type(arg).__name__}")
         with torch.inference_mode():
-            return self._package(*args)  # type: ignore[operator]
+            return self._unflatten(self._package.loader.boxed_run(flat), self._out_spec)
 
 
 def _declare_toolkit_fallbacks() -> None:
