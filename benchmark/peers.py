@@ -107,8 +107,16 @@ def merge(previous: dict[str, Any], fresh: dict[str, Any], systems: list[str]) -
     if "formats" in previous or "formats" in fresh:  # each system's file as it was read when it ran
         kept_formats = {k: v for k, v in previous.get("formats", {}).items() if k not in systems}
         fresh["formats"] = kept_formats | fresh.get("formats", {})
-    fresh["merged"] = f"{', '.join(systems)} rerun; the others from the run of {previous['started']}"
+    when = measured(previous) | {s: fresh["started"] for s in systems}
+    fresh["measured"] = {s: when[s] for s in fresh["systems"] if s in when}
+    kept_from = ", ".join(f"{s} from the run of {fresh['measured'][s]}" for s in fresh["systems"] if s not in systems)
+    fresh["merged"] = f"{', '.join(systems)} rerun; {kept_from}"
     return fresh
+
+
+def measured(run: dict[str, Any]) -> dict[str, str]:
+    """When each system of ``run`` was measured: the run's own record (a merged run), else the run's start."""
+    return dict(run.get("measured") or {s: run["started"] for s in run.get("systems", SYSTEMS)})
 
 
 def measure(

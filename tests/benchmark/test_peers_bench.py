@@ -125,6 +125,15 @@ def test_rerun_of_one_system_keeps_the_others(tiny_run: dict[str, Any]) -> None:
     assert len(merged["probes"]) == 2 and merged["systems"] == ["ours"]
 
 
+def test_a_second_merge_keeps_each_systems_own_date(tiny_run: dict[str, Any]) -> None:
+    """A system kept through two partial reruns is dated by the run that measured it, not by the last merge."""
+    first = json.loads(json.dumps(tiny_run)) | {"started": "monday", "systems": ["ours", "openvino", "llamacpp"]}
+    second = peers.merge(first, json.loads(json.dumps(tiny_run)) | {"started": "tuesday"}, ["ours", "llamacpp"])
+    third = peers.merge(second, json.loads(json.dumps(tiny_run)) | {"started": "friday"}, ["ours", "llamacpp"])
+    assert third["measured"] == {"ours": "friday", "openvino": "monday", "llamacpp": "friday"}
+    assert third["merged"] == "ours, llamacpp rerun; openvino from the run of monday"
+
+
 def test_a_missing_peer_names_the_setup_command(tmp_path: Path) -> None:
     with pytest.raises(PeerMissingError, match="--setup"):
         peers.check_installed(Layout(tmp_path), ["openvino"])
