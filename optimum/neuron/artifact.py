@@ -237,13 +237,15 @@ def empty_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
 def graph_decoder(hf_config: Any, config: NeuronConfig) -> StaticDecoder:
     """`empty_decoder` as the graphs compute it: its decoder layers' linear layers quantized when
     ``config.weight_format`` says so, the other linear layers packed when ``config.packed_linears``, attending with the
-    CPU attention kernels when ``config.paged_attention``."""
+    CPU attention kernels when ``config.paged_attention``, sampling's candidates from the CPU kernel when
+    ``config.cpu_kernels``."""
     decoder = empty_decoder(hf_config, config)
     quantize_decoder(decoder, config)
     if config.packed_linears:
         pack_decoder(decoder)
     add_lora(decoder, config)
     decoder.paged_attention = config.paged_attention
+    decoder.cpu_candidates = config.cpu_kernels
     return decoder
 
 
@@ -274,12 +276,12 @@ def graph_weights(
     """The weight set every graph of rank ``rank`` binds, derived from the stored ``weights`` (the checkpoint's layout,
     quantized layers in `quantization`'s stored form): the rank's slice (`quantization.graph_form`), its linear layers
     packed when ``config.packed_linears``. The toolkit's kernel library is loaded when the graphs call one of its
-    operators (packed linears, paged attention). Still one set: each packed tensor replaces its stored one, nothing is
+    operators (`NeuronConfig.cpu_kernels`). Still one set: each packed tensor replaces its stored one, nothing is
     kept twice."""
     weights = graph_form(weights, config, lambda full: rank_weights(hf_config, config, full, rank))
     if config.packed_linears:
         _check_packed_device(weights)
-    if config.packed_linears or config.paged_attention:
+    if config.cpu_kernels:
         kernel_library.load()
     adapters = lora_weights(graph_decoder(hf_config, config)) if config.max_loras else {}
     if not config.packed_linears:

@@ -313,6 +313,12 @@ class NeuronConfig:
             return _packed_kernel_applies(self)
         return self.linear_kernel == "packed"
 
+    @property
+    def cpu_kernels(self) -> bool:
+        """True when the graphs call the toolkit's CPU kernels (packed linears or paged attention): the library is
+        loaded, and on-device sampling takes its candidates from its `top_candidates` too."""
+        return self.packed_linears or self.paged_attention
+
     def derive(self, **changes: Any) -> NeuronConfig:
         """A validated copy with ``changes`` applied (`dataclasses.replace`)."""
         return dataclasses.replace(self, **changes)

@@ -101,10 +101,10 @@ class NeuronModelForCausalLM:
             return sequences
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-        max_topk = self.neuron_config.max_topk
+        max_topk, kernel = self.neuron_config.max_topk, self.neuron_config.cpu_kernels
         fields: dict[str, Any] = {
             "sequences": sequences,
-            "scores": _per_step(out.logits, width, pad, lambda x: params.scores(x, max_topk))
+            "scores": _per_step(out.logits, width, pad, lambda x: params.scores(x, max_topk, kernel))
             if output_scores
             else None,
             "logits": _per_step(out.logits, width, pad, lambda x: x) if output_logits else None,

@@ -138,7 +138,7 @@ def _declare_toolkit_fallbacks() -> None:
     process's). The toolkit's one touch of inductor's lowering internals."""
     from torch._inductor.lowering import lowerings, make_fallback
 
-    from ..kernels import attention, packed
+    from ..kernels import attention, candidates, packed
 
     for name in (
         packed.OPERATOR,
@@ -146,6 +146,7 @@ def _declare_toolkit_fallbacks() -> None:
         attention.OPERATOR,
         attention.INT8_OPERATOR,
         attention.CHUNK_OPERATOR,
+        candidates.OPERATOR,
     ):
         namespace, operator = name.split("::")
         overload = getattr(getattr(torch.ops, namespace), operator).default

@@ -1,6 +1,6 @@
-"""The toolkit's C++ library of CPU operators (``csrc/``: `packed` linear layers, `attention`), compiled together on
-first use into ``$OPTIMUM_NEURON_CACHE/kernels/<hash>`` with torch's ``cpp_extension`` (~20 s, then a cache hit) and
-loaded before any graph that calls them runs."""
+"""The toolkit's C++ library of CPU operators (``csrc/``: `packed` linear layers, `attention`, sampling's
+`candidates`), compiled together on first use into ``$OPTIMUM_NEURON_CACHE/kernels/<hash>`` with torch's
+``cpp_extension`` (~20 s, then a cache hit) and loaded before any graph that calls them runs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ from ..cache_dir import cache_lock, cache_root
 from ..errors import BackendUnavailableError
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "packed_linear.cpp", CSRC / "paged_attention.cpp", CSRC / "chunk_attention.cpp")
+SOURCES = (
+    CSRC / "packed_linear.cpp",
+    CSRC / "paged_attention.cpp",
+    CSRC / "chunk_attention.cpp",
+    CSRC / "top_candidates.cpp",
+)
 """Every C++ source of the library: all are compiled together and all enter the build key."""
 HEADERS = (CSRC / "isa.h", CSRC / "panel_tiles.h", CSRC / "vec_exp.h")
 """The headers the sources include: they enter the build key too."""

@@ -103,6 +103,9 @@ class StaticDecoder(nn.Module):
         self.paged_attention = False
         """Attend with the CPU kernels: token generation and verification rows with the paged one, prefill chunks
         with the chunk one (set for the graphs: `artifact.graph_decoder`)."""
+        self.cpu_candidates = False
+        """On-device sampling takes its candidates from the CPU kernel (`kernels.candidates`; set for the graphs:
+        `artifact.graph_decoder`)."""
         self.adapter_rows: AdapterRows | None = None
         """Multi-LoRA: the rows' adapter slots its LoRA projections read (`layers.lora.add_lora`); None without."""
         self.lm_head: nn.Linear | None = None
@@ -250,7 +253,8 @@ class TokenGenerationGraph(_Graph):
         if not self.spec.samples_on_device:
             return logits
         assert temperature is not None and top_k is not None and top_p is not None and uniforms is not None
-        return sample_tokens(logits, temperature, top_k, top_p, uniforms, self.max_topk)
+        kernel = self.decoder.cpu_candidates
+        return sample_tokens(logits, temperature, top_k, top_p, uniforms, self.max_topk, kernel=kernel)
 
 
 def graph_module(decoder: StaticDecoder, spec: GraphSpec) -> nn.Module:

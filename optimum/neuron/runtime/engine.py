@@ -415,7 +415,7 @@ class Engine:
             inputs["adapter_ids"] = self._adapter_ids(by_slot)
         out = self._call(spec, inputs)
         logits = None if spec.samples_on_device else out.float().cpu()
-        tokens = out.cpu() if logits is None else sample_on_host(logits, rows, self.config.max_topk)
+        tokens = out.cpu() if logits is None else sample_on_host(logits, rows, *self._candidate_rule)
         for slot, sequence in by_slot.items():
             if slot in ours:
                 result.append(sequence, int(tokens[slot]), None if logits is None else logits[slot])
@@ -452,7 +452,7 @@ class Engine:
                 sequence.computed += 1
                 continue
             drafts = proposed.get(sequence.seq_id, [])
-            kept = accept(logits[slot], drafts, sequence.sampler, self.config.max_topk)
+            kept = accept(logits[slot], drafts, sequence.sampler, *self._candidate_rule)
             for token, row in kept:
                 result.append(sequence, token, row)
             sequence.computed += len(kept)
@@ -480,7 +480,7 @@ class Engine:
         if sequence.sampler.params.host is not None:
             host[_held(sequence)] = (sequence, logits)
             return
-        token = sample_on_host(logits[None], [sequence.sampler], self.config.max_topk)[0]
+        token = sample_on_host(logits[None], [sequence.sampler], *self._candidate_rule)[0]
         result.append(sequence, int(token), logits)
 
     def _run_prefill(
@@ -544,6 +544,11 @@ class Engine:
         for slot, sequence in by_slot.items():
             ids[slot] = sequence.adapter
         return ids
+
+    @property
+    def _candidate_rule(self) -> tuple[int, bool]:
+        """How host sampling takes its candidates, as this artifact's graphs do: ``(max_topk, kernel)``."""
+        return self.config.max_topk, self.config.cpu_kernels
 
     def _call(self, spec: GraphSpec, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run graph ``spec`` on ``inputs`` (a graph reading the cache: in the KV window of its ``block_table``)."""

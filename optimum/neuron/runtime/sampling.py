@@ -171,9 +171,10 @@ class SamplingParams:
                 f"was exported with {minimal} (without it): re-export without {minimal}."
             )
 
-    def scores(self, logits: torch.Tensor, max_topk: int) -> torch.Tensor:
+    def scores(self, logits: torch.Tensor, max_topk: int, kernel: bool = False) -> torch.Tensor:
         """transformers' ``output_scores`` of ``logits [N, V]`` under these parameters: the raw logits when greedy,
-        else what the sampler draws from (temperature applied, tokens outside top-k / top-p at ``-inf``)."""
+        else what the sampler draws from (temperature applied, tokens outside top-k / top-p at ``-inf``); ``kernel``:
+        as `sample_on_host`."""
         if self.greedy:
             return logits.float().clone()
         temperature, top_k, top_p = self.resolve(max_topk)
@@ -184,6 +185,7 @@ class SamplingParams:
             torch.full((rows,), top_k),
             torch.full((rows,), top_p),
             max_topk,
+            kernel=kernel,
         )
 
     def resolve(self, max_topk: int) -> tuple[float, int, float]:
@@ -228,10 +230,15 @@ def sampling_tensors(samplers: list[SequenceSampler | None], max_topk: int) -> d
     }
 
 
-def sample_on_host(logits: torch.Tensor, samplers: list[SequenceSampler | None], max_topk: int) -> torch.Tensor:
-    """Sample ``logits [N, V]`` on the CPU with the graph's own rule; returns token ids ``[N]``."""
+def sample_on_host(
+    logits: torch.Tensor, samplers: list[SequenceSampler | None], max_topk: int, kernel: bool = False
+) -> torch.Tensor:
+    """Sample ``logits [N, V]`` on the CPU with the graph's own rule; returns token ids ``[N]``. ``kernel``: the
+    candidates from the toolkit's CPU kernel, as the graphs of an artifact with ``NeuronConfig.cpu_kernels`` take
+    them (torch's but where equal logits straddle the last one: `layers.sampling._candidates`)."""
     t = sampling_tensors(samplers, max_topk)
-    return sample_tokens(logits.float().cpu(), t["temperature"], t["top_k"], t["top_p"], t["uniforms"], max_topk)
+    floats = logits.float().cpu()
+    return sample_tokens(floats, t["temperature"], t["top_k"], t["top_p"], t["uniforms"], max_topk, kernel=kernel)
 
 
 class HostSampler(Protocol):

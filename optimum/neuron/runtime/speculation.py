@@ -48,14 +48,16 @@ def unverifiable(sequence: Seq) -> str | None:
     return None
 
 
-def accept(logits: torch.Tensor, drafts: Sequence[int], sampler: SequenceSampler, max_topk: int) -> list[Accepted]:
+def accept(
+    logits: torch.Tensor, drafts: Sequence[int], sampler: SequenceSampler, max_topk: int, kernel: bool = False
+) -> list[Accepted]:
     """The tokens a sequence keeps from a verification call: ``logits [>= len(drafts) + 1, V]`` are its rows (row
-    ``i``: after its last token and the first ``i`` drafts), sampled in order with ``sampler``; drafts are kept while
-    they equal the sampled token, and the first sampled token that is not a draft ends the list (after every draft
-    kept, the token sampled from the row past them)."""
+    ``i``: after its last token and the first ``i`` drafts), sampled in order with ``sampler`` (``kernel``: as
+    `sample_on_host`); drafts are kept while they equal the sampled token, and the first sampled token that is not a
+    draft ends the list (after every draft kept, the token sampled from the row past them)."""
     kept: list[Accepted] = []
     for row in range(len(drafts) + 1):
-        token = int(sample_on_host(logits[row][None], [sampler], max_topk)[0])
+        token = int(sample_on_host(logits[row][None], [sampler], max_topk, kernel)[0])
         kept.append(Accepted(token, logits[row]))
         if row == len(drafts) or token != drafts[row]:
             break

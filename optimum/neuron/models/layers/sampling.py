@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from ...kernels.candidates import top_candidates
+
 _NEG = -1.0e30  # finite large negative in fp32: never the dtype minimum (invariant 7)
 
 
@@ -34,12 +36,14 @@ def kept_candidates(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     max_topk: int,
+    kernel: bool = False,
 ) -> Candidates:
     """The candidates of each row of ``logits [B, V]`` and which of them the sampler keeps: the ``max_topk``
     largest logits (`_candidates`), divided by ``temperature [B] > 0``; the first ``top_k [B]`` of them
     (``1..max_topk``, 1 = greedy); of those, each one whose preceding candidates' probability mass is below
-    ``top_p [B]`` (in ``(0, 1]``), the best one always."""
-    values, indices = _candidates(logits, min(max_topk, logits.shape[-1]))
+    ``top_p [B]`` (in ``(0, 1]``), the best one always. ``kernel``: the candidates from the toolkit's CPU kernel
+    (`kernels.candidates`), the same tensors as torch's."""
+    values, indices = _candidates(logits, min(max_topk, logits.shape[-1]), kernel)
     rank = torch.arange(values.shape[-1], device=logits.device)[None, :]
     scaled = values / temperature.to(torch.float32)[:, None]
     in_top_k = rank < top_k[:, None]
@@ -56,12 +60,13 @@ def sample_tokens(
     top_p: torch.Tensor,
     uniforms: torch.Tensor,
     max_topk: int,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """Sample one token per row of ``logits [B, V]`` from the candidates `kept_candidates` keeps: their
     probabilities renormalized, the token picked by inverse CDF at ``uniforms [B]`` (in ``[0, 1)``).
     Candidates are ordered best first, equal logits by increasing token id (so greedy is ``argmax``, ties
-    included)."""
-    found = kept_candidates(logits, temperature, top_k, top_p, max_topk)
+    included). ``kernel``: as `kept_candidates`."""
+    found = kept_candidates(logits, temperature, top_k, top_p, max_topk, kernel)
     probs = torch.where(found.kept, found.probs, torch.zeros_like(found.probs))
     cdf = torch.cumsum(probs, dim=-1)
     threshold = uniforms.to(torch.float32)[:, None] * cdf[:, -1:]
@@ -69,11 +74,15 @@ def sample_tokens(
     return found.indices.gather(1, choice[:, None]).squeeze(1)
 
 
-def _candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _candidates(logits: torch.Tensor, k: int, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest logits of each row (fp32) and their token ids, best first, equal logits in
     increasing token id order. That is how ``argmax`` (and transformers' greedy search) breaks ties;
     ``topk``'s own order among equal values is unspecified and differs between kernels, and ties are
-    common in bf16 logits."""
+    common in bf16 logits. Which of several logits equal to the ``k``-th largest are kept is ``topk``'s choice
+    here; ``kernel``: the toolkit's CPU kernel (`kernels.candidates.top_candidates`) keeps those of the smallest ids,
+    and selects in one pass over each row instead of ``topk`` and its sorts (the same tensors otherwise)."""
+    if kernel:
+        return top_candidates(logits.to(torch.float32), k)
     values, indices = torch.topk(logits.to(torch.float32), k, dim=-1)
     indices, by_id = torch.sort(indices, dim=-1)
     values, by_value = torch.sort(values.gather(-1, by_id), dim=-1, descending=True, stable=True)
@@ -86,10 +95,12 @@ def processed_scores(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     max_topk: int,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """What `sample_tokens` draws from, as transformers' ``output_scores`` show it: ``[B, V]`` fp32, the logits
-    divided by the temperature for the candidates `kept_candidates` keeps, ``-inf`` for every other token."""
-    found = kept_candidates(logits, temperature, top_k, top_p, max_topk)
+    divided by the temperature for the candidates `kept_candidates` keeps, ``-inf`` for every other token.
+    ``kernel``: as `kept_candidates`."""
+    found = kept_candidates(logits, temperature, top_k, top_p, max_topk, kernel)
     out = torch.full(logits.shape, -torch.inf, dtype=torch.float32, device=logits.device)
     kept = torch.where(found.kept, found.scaled, torch.full_like(found.scaled, -torch.inf))
     return out.scatter(1, found.indices, kept)
