@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..cache_dir import cache_lock
 from ..errors import ArtifactError
@@ -110,11 +111,8 @@ class _BoundGraph:
     Nones dropped as the package drops them."""
 
     def __init__(self, package: Any) -> None:
-        from torch.utils import _pytree as pytree
-
         self._package = package
         self._out_spec = pytree.treespec_loads(package.loader.get_call_spec()[1])
-        self._unflatten = pytree.tree_unflatten
 
     def __call__(self, *args: object) -> torch.Tensor:
         flat: list[torch.Tensor] = []
@@ -126,7 +124,7 @@ class _BoundGraph:
             elif arg is not None:
                 raise TypeError(f"a compiled graph takes tensors, lists of tensors or None; got {type(arg).__name__}")
         with torch.inference_mode():
-            return self._unflatten(self._package.loader.boxed_run(flat), self._out_spec)
+            return pytree.tree_unflatten(self._package.loader.boxed_run(flat), self._out_spec)
 
 
 def _declare_toolkit_fallbacks() -> None:

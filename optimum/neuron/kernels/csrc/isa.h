@@ -1,4 +1,4 @@
-// The instruction set every kernel of the toolkit's CPU library runs (packed_linear.cpp, paged_attention.cpp): the
+// The instruction set every kernel of the toolkit's CPU library runs (every source of kernels/library.py): the
 // best path this CPU has, lowered by OPTIMUM_NEURON_PACKED_ISA (avx2, portable: for comparison and tests). Read once
 // per process, shared by every kernel.
 #pragma once

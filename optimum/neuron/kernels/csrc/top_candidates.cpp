@@ -85,7 +85,7 @@ Scan scan_for_isa() {
   return scan_portable;
 }
 
-// Keep the k best of `kept` (more than k).
+// Keep the k best of `kept` (more than k), the k-th best last.
 inline void keep_best(std::vector<uint64_t>& kept, int64_t k) {
   std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), std::greater<uint64_t>());
   kept.resize(k);
@@ -107,7 +107,7 @@ void row_candidates(const float* x, int64_t V, int64_t k, Scan scan, std::vector
     kept.push_back(key_of(x[i], i));
     if (static_cast<int64_t>(kept.size()) == kBuffer * k) {
       keep_best(kept, k);
-      threshold = x[id_of(*std::min_element(kept.begin(), kept.end()))];
+      threshold = x[id_of(kept[k - 1])];  // keep_best leaves the k-th best last
     }
   }
   if (static_cast<int64_t>(kept.size()) > k) keep_best(kept, k);
@@ -124,6 +124,8 @@ std::tuple<at::Tensor, at::Tensor> top_candidates(const at::Tensor& logits, int6
   TORCH_CHECK(logits.dim() == 2, "top_candidates needs logits [rows, vocabulary]; got ", logits.sizes());
   const int64_t rows = logits.size(0), V = logits.size(1);
   TORCH_CHECK(k >= 1 && k <= V, "top_candidates: k must lie in [1, ", V, "] (the vocabulary); got ", k);
+  TORCH_CHECK(V <= 0xFFFFFFFFLL, "top_candidates holds token ids in 32 bits; got a vocabulary of ", V,
+              ": sample such logits with torch's topk (export with --linear_kernel aten --attention_kernel sdpa)");
   const at::Tensor x = logits.contiguous();
   at::Tensor values = at::empty({rows, k}, logits.options());
   at::Tensor ids = at::empty({rows, k}, logits.options().dtype(at::kLong));

@@ -42,7 +42,7 @@ def kept_candidates(
     largest logits (`_candidates`), divided by ``temperature [B] > 0``; the first ``top_k [B]`` of them
     (``1..max_topk``, 1 = greedy); of those, each one whose preceding candidates' probability mass is below
     ``top_p [B]`` (in ``(0, 1]``), the best one always. ``kernel``: the candidates from the toolkit's CPU kernel
-    (`kernels.candidates`), the same tensors as torch's."""
+    (`kernels.candidates`; `_candidates` says where they may differ from torch's)."""
     values, indices = _candidates(logits, min(max_topk, logits.shape[-1]), kernel)
     rank = torch.arange(values.shape[-1], device=logits.device)[None, :]
     scaled = values / temperature.to(torch.float32)[:, None]
