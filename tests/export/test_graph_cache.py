@@ -213,8 +213,10 @@ def test_a_killed_export_leaves_nothing_a_later_export_takes(private_cache: Path
 
 
 def test_a_worker_dies_with_its_exporter(private_cache: Path, model: Path, tmp_path: Path) -> None:
-    """The exporter alone killed (not its process group) mid-compile: its worker process exits at once (Linux's
-    parent-death signal) instead of finishing a graph for nobody."""
+    """The exporter alone killed (not its process group) mid-compile: its worker process dies with it (Linux's
+    parent-death signal) instead of finishing a graph for nobody. What tells the two apart is the worker's staging
+    folder, not a clock (a loaded machine can take seconds to tear a killed process down): a worker that outlived
+    its exporter writes its graph there, then fails to answer and exits; a killed one leaves it without a graph."""
     library.load()  # built first: the worker killed is compiling a graph, not building the kernel library
     run = _start_export(model, tmp_path / "killed", False, workers=2)
     deadline = time.monotonic() + 300
@@ -223,10 +225,14 @@ def test_a_worker_dies_with_its_exporter(private_cache: Path, model: Path, tmp_p
         time.sleep(0.05)
     os.kill(run.pid, signal.SIGKILL)
     run.wait()
-    deadline = time.monotonic() + 3  # without the signal the worker finishes its graph first (seconds of g++)
+    deadline = time.monotonic() + 120  # the worker's graph, had it gone on, would be written well before
     while (alive := [pid for pid in workers if _running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive, f"worker processes {alive} outlived their exporter: {[_command(pid) for pid in alive]}"
+    staged = list((private_cache / "graphs").glob(f"*.tmp{run.pid}"))
+    assert staged, "the killed export left no staging folder: the worker was not compiling into one"
+    finished = [graph for folder in staged for graph in folder.glob("*.pt2")]
+    assert not finished, f"a worker finished {finished} after its exporter was killed"
 
 
 def _compiling_workers(pid: int) -> list[int]:
