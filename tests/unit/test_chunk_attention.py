@@ -90,6 +90,22 @@ def test_a_query_does_not_depend_on_the_padding_after_it() -> None:
     assert torch.equal(got, torch.zeros_like(got))
 
 
+@pytest.mark.parametrize(("case", "unread"), [(CASES[2], 3), (CASES[3], 3)], ids=["first chunk", "sliding window"])
+def test_window_blocks_no_query_attends_are_not_read(case: tuple, unread: int) -> None:
+    """The blocks before every query's first attended key (a first chunk's whole masked bucket, the blocks a sliding
+    window left behind) are skipped, not multiplied by zero weights: NaN there changes nothing. A first chunk gives
+    bitwise what the chunk alone gives (context encoding: no window)."""
+    q, k, v, caches, table, mask = inputs(case)
+    clean = chunk_attention(q, k, v, caches[0], caches[1], table, mask, 0.25)
+    poisoned = [cache.clone() for cache in caches]
+    for cache in poisoned:
+        cache[table[:, :unread].flatten()] = float("nan")
+    assert torch.equal(chunk_attention(q, k, v, poisoned[0], poisoned[1], table, mask, 0.25), clean)
+    if case is CASES[2]:
+        alone = chunk_attention(q, k, v, caches[0], caches[1], None, mask[..., table.numel() * case[4] :], 0.25)
+        assert torch.equal(alone, clean)
+
+
 def test_bad_inputs_raise() -> None:
     q, k, v, caches, table, mask = inputs(CASES[0])
     with pytest.raises(RuntimeError, match="float32"):

@@ -10,19 +10,23 @@
 //
 // Schedule. One task per (row, query head, tile of up to 64 query tokens), split over threads. A task
 //   1. packs its queries, times the scale, as 16-query panels [D, 16] (`panel_tiles.h`);
-//   2. computes the scores S^T [keys, queries] with the panel GEMM: the rows are the keys, each window block's read in
-//      place from the cache, then the chunk's own;
+//   2. computes the scores S^T [keys, queries] with the panel GEMM: the rows are the keys, each window block that a
+//      query of the tile attends read in place from the cache, then the chunk's own (a block no query of the tile
+//      attends is not read: the masked bucket past a prompt's first chunk, the blocks a sliding window left behind);
 //   3. takes each query's softmax over the keys it attends (two passes over S^T: the maximum, then exp(s - max) and the
 //      total; keys the mask leaves out weigh exactly 0), writing the weights as panels [keys, 16];
 //   4. computes O^T [D, queries] = V^T [D, keys] times the weights with the same GEMM (V^T: the row's window and chunk
-//      values of its KV head, transposed once per call and shared by the head's tasks), and divides by the totals.
+//      values of its KV head, transposed once per call and shared by the head's tasks), from the first attended block
+//      on, and divides by the totals.
 // Both products run at the panel GEMM's rate, where torch's CPU flash attention runs its blocks through a generic
 // sgemm and a float mask; the queries of a tile share every key and value they read.
 //
 // Order of the sums. A query's scores, maximum, total and output sums each run over keys (or head dimensions) in one
 // fixed order, and keys past the tile's causal end or left out by the mask add exact zeros: a query's result depends
-// on its own mask row only, not on the tile, the chunk size or the other queries (DESIGN.md invariant 4). A query
-// whose mask attends no key gets zeros.
+// on its own mask row only, not on the tile, the chunk size or the other queries (DESIGN.md invariant 4). The blocks
+// skipped before a tile's first attended one would add exact zeros too (a weight of +0 times a finite value leaves a
+// sum as it is, and the sums start at +0), so skipping them changes no bit. A query whose mask attends no key gets
+// zeros.
 //
 // Instruction sets: the panel GEMM's paths (AVX-512, AVX2 + FMA, portable); the softmax likewise (16 or 8 columns per
 // vector, the same values lane for lane; a key no column of the vector attends is skipped: exact zeros), portable C++
@@ -31,7 +35,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -50,6 +56,7 @@ struct Call {
   const float* kc;     // k_cache [blocks, Hk, bs, D]
   const int64_t* table;  // [B, nb] or null
   const uint8_t* mt;   // the mask transposed, [B, L, Cp]: mt[b, j, t] = mask[b, 0, t, j], zero for t >= C
+  const uint8_t* live;  // [B, tiles, nb]: whether a query of the tile attends a key of window block i (`live_blocks`)
   const float* vt;     // V^T [B, Hk, D, L]
   float* out;          // [B, Hq, C, D]
   int64_t Hq, Hk, C, Cp, D, nb, bs, L;
@@ -156,11 +163,33 @@ struct Scratch {
         partial(std::max({c.bs, c.C, c.D}) * kTile) {}
 };
 
+// For each row and tile of queries, which window blocks a query of the tile attends: live[(b * tiles + tile) * nb + i].
+std::vector<uint8_t> live_blocks(const uint8_t* mt, int64_t B, int64_t L, int64_t Cp, int64_t nb, int64_t bs) {
+  const int64_t tiles = Cp / kTile;
+  std::vector<uint8_t> live(B * tiles * nb, 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < nb * bs; ++j) {
+      const uint8_t* row = mt + (b * L + j) * Cp;
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        uint64_t any = 0, word;
+        for (int64_t w = 0; w < kTile; w += 8) {
+          std::memcpy(&word, row + tile * kTile + w, 8);
+          any |= word;
+        }
+        if (any != 0) live[(b * tiles + tile) * nb + j / bs] = 1;
+      }
+    }
+  return live;
+}
+
 void run_task(const Call& c, int64_t task, Scratch& z) {
   const int64_t tiles = (c.C + kTile - 1) / kTile;
-  const int64_t b = task / (c.Hq * tiles), h = (task / tiles) % c.Hq, t0 = (task % tiles) * kTile;
+  const int64_t b = task / (c.Hq * tiles), h = (task / tiles) % c.Hq, tile = task % tiles, t0 = tile * kTile;
   const int64_t cols = std::min(kTile, c.C - t0), panels = (cols + kPanel - 1) / kPanel, width = panels * kPanel;
-  const int64_t head = h / (c.Hq / c.Hk), W = c.nb * c.bs, keys = W + t0 + cols;
+  const uint8_t* live = c.live + (b * tiles + tile) * c.nb;
+  const int64_t first = std::find(live, live + c.nb, 1) - live;  // the first attended window block (nb: none)
+  // keys [k0, W + t0 + cols): the window from its first attended block, then the chunk up to the tile's end
+  const int64_t head = h / (c.Hq / c.Hk), W = c.nb * c.bs, k0 = first * c.bs, keys = W + t0 + cols - k0;
   // 1. queries times the scale, as panels [D, 16] (zero past the chunk's end)
   const float* q = c.q + ((b * c.Hq + h) * c.C + t0) * c.D;
   for (int64_t p = 0; p < panels; ++p)
@@ -169,19 +198,21 @@ void run_task(const Call& c, int64_t task, Scratch& z) {
         const int64_t col = p * kPanel + j;
         z.q[(p * c.D + d) * kPanel + j] = col < cols ? q[col * c.D + d] * c.scale : 0.0f;
       }
-  // 2. scores S^T [keys, width]: each window block in place, then the chunk's keys up to the tile's end
-  for (int64_t i = 0; i < c.nb; ++i) {
+  // 2. scores S^T [keys, width]: each attended window block in place (the scores of a block no query attends stay
+  // unset: the softmax never reads a masked key's score), then the chunk's keys up to the tile's end
+  for (int64_t i = first; i < c.nb; ++i) {
+    if (!live[i]) continue;
     const float* rows = c.kc + ((c.table[b * c.nb + i] * c.Hk + head) * c.bs) * c.D;
-    gemm_serial(rows, c.bs, c.D, c.D, z.q.data(), panels, c.D * kPanel, z.s.data() + i * c.bs * kTile, kTile,
+    gemm_serial(rows, c.bs, c.D, c.D, z.q.data(), panels, c.D * kPanel, z.s.data() + (i * c.bs - k0) * kTile, kTile,
                 z.partial.data());
   }
   gemm_serial(c.k + ((b * c.Hk + head) * c.C) * c.D, t0 + cols, c.D, c.D, z.q.data(), panels, c.D * kPanel,
-              z.s.data() + W * kTile, kTile, z.partial.data());
+              z.s.data() + (W - k0) * kTile, kTile, z.partial.data());
   // 3. softmax weights as panels [keys, 16]
-  softmax_tile(z.s.data(), c.mt + b * c.L * c.Cp + t0, c.Cp, keys, width, z.w.data(), z.total);
+  softmax_tile(z.s.data(), c.mt + (b * c.L + k0) * c.Cp + t0, c.Cp, keys, width, z.w.data(), z.total);
   // 4. O^T [D, width] = V^T [D, keys] times the weights; out = O / total
-  gemm_serial(c.vt + (b * c.Hk + head) * c.D * c.L, c.D, keys, c.L, z.w.data(), panels, keys * kPanel, z.o.data(),
-              kTile, z.partial.data());
+  gemm_serial(c.vt + (b * c.Hk + head) * c.D * c.L + k0, c.D, keys, c.L, z.w.data(), panels, keys * kPanel,
+              z.o.data(), kTile, z.partial.data());
   float* out = c.out + ((b * c.Hq + h) * c.C + t0) * c.D;
   for (int64_t col = 0; col < cols; ++col) {
     const float total = z.total[col];
@@ -250,9 +281,10 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   }
   at::Tensor out = at::empty({B, Hq, C, D}, q.options());
   if (B == 0 || C == 0 || Hq == 0) return out;
+  const std::vector<uint8_t> live = live_blocks(mt.data_ptr<uint8_t>(), B, L, Cp, nb, bs);
   const Call call{qc.data_ptr<float>(), kc.data_ptr<float>(), k_cache.data_ptr<float>(),
-                  windowed ? table.data_ptr<int64_t>() : nullptr, mt.data_ptr<uint8_t>(), vt.data_ptr<float>(),
-                  out.data_ptr<float>(), Hq, Hk, C, Cp, D, nb, bs, L, static_cast<float>(scale)};
+                  windowed ? table.data_ptr<int64_t>() : nullptr, mt.data_ptr<uint8_t>(), live.data(),
+                  vt.data_ptr<float>(), out.data_ptr<float>(), Hq, Hk, C, Cp, D, nb, bs, L, static_cast<float>(scale)};
   const int64_t tasks = B * Hq * ((C + kTile - 1) / kTile);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(call);
