@@ -29,8 +29,8 @@
 // `max_rows`) over the group (`panel_group`), so the panel's block stays in L1 while every row uses it, and the memory
 // stream of the weights never pauses for a second row block. The first row block prefetches the panels ahead (once
 // per cache line of each panel's stream: every k step for fp32, every 4th for int8, every 8th for int4): the next K
-// block for fp32 and int8 (in a group's last K block, the first block of the next group's panels, which follow in
-// memory: a thread runs consecutive groups), 1 KiB ahead for int4.
+// block for fp32 and int8, 1 KiB ahead for int4; near a panel's end, as far into the next group's panels, which
+// follow in memory (a thread runs consecutive groups: `prefetch_ahead`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -49,7 +49,7 @@ struct Tile {
   float* out;           // where the sums go (the partial-sum buffer, or y on the last block), row stride ldout
   int64_t ldout;
   const float* bias;    // added on the last block (null: none)
-  int64_t ahead;        // prefetch this many bytes ahead of the panel rows read (0: none; int4: kPrefetchI4 if not 0)
+  int64_t ahead;        // prefetch this many bytes ahead of the panel rows read (0: none; `prefetch_ahead`)
   // Quantized kinds only: scales[g, c] of the first panel's first column (row stride lds), the block's first k
   // (absolute) and the group size: k takes the scales of group k / group.
   const float* scales;
@@ -269,7 +269,8 @@ void tile_portable(const Tile& t) {
 // products are bound by the stream of bytes rather than by the vector units; the order depends only on the group
 // size and the K block, never on the rows, the blocking or the threads, so a row's result still depends on that row
 // only, and the AVX2 and AVX-512 paths are bitwise equal. The stream is prefetched kPrefetchI4 bytes ahead (a panel
-// of int4 advances 8 bytes a step: one block ahead was too short to hide the memory's latency).
+// of int4 advances 8 bytes a step: one block ahead was too short to hide the memory's latency), into the next
+// group's panels near a panel's end (`prefetch_ahead`).
 constexpr int64_t kPrefetchI4 = 1024;
 
 // The start of a run's sums: zero before the tile's first run when the tile starts the product (t.in null), else the
@@ -320,7 +321,8 @@ __attribute__((target("avx2,fma"))) inline __m256 nibble_avx2(const char* bytes,
 template <int R, int P>
 __attribute__((target("avx2,fma"))) void tile_int4_fma(const Tile& t) {
   constexpr int A = 2 * P;
-  const bool prefetch = t.ahead != 0;  // kPrefetchI4 ahead
+  const int64_t ahead = t.ahead;
+  const bool prefetch = ahead != 0;
   for (int64_t k = 0, run = 0; k < t.steps; ++run) {
     const float* s;
     const int64_t end = group_end<Kind::kI4>(t, k, &s);
@@ -333,7 +335,7 @@ __attribute__((target("avx2,fma"))) void tile_int4_fma(const Tile& t) {
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<Kind::kI4>(t.w + p * t.ldw, k);
-        if (fetch) _mm_prefetch(at + kPrefetchI4, _MM_HINT_T0);
+        if (fetch) _mm_prefetch(at + ahead, _MM_HINT_T0);
         v[2 * p] = nibble_avx2(at, k & 1);
         v[2 * p + 1] = nibble_avx2(at + 8, k & 1);
       }
@@ -371,7 +373,8 @@ __attribute__((target("avx2,fma"))) void tile_int4_fma(const Tile& t) {
 template <int R, int P>
 __attribute__((target("avx512f"))) void tile_int4_avx512(const Tile& t) {
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
-  const bool prefetch = t.ahead != 0;  // kPrefetchI4 ahead
+  const int64_t ahead = t.ahead;
+  const bool prefetch = ahead != 0;
   for (int64_t k = 0, run = 0; k < t.steps; ++run) {
     const float* s;
     const int64_t end = group_end<Kind::kI4>(t, k, &s);
@@ -385,7 +388,7 @@ __attribute__((target("avx512f"))) void tile_int4_avx512(const Tile& t) {
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<Kind::kI4>(t.w + p * t.ldw, k);
-        if (fetch) _mm_prefetch(at + kPrefetchI4, _MM_HINT_T0);
+        if (fetch) _mm_prefetch(at + ahead, _MM_HINT_T0);
         bytes[p] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
         v[p] = _mm512_permutexvar_ps(bytes[p], values);
       }
@@ -519,13 +522,19 @@ struct Product {
   bool prefetch;        // the first row block prefetches the panels ahead (`prefetch_ahead`)
 };
 
-// How far ahead the first row block of a K block prefetches each panel's stream (fp32 and int8 tiles; int4 tiles
-// prefetch kPrefetchI4 bytes ahead whenever this is not 0): the next K block of the same panels, and during the last
-// K block the first block of the panels that follow the group's in memory, the group a thread of packed_linear takes
-// next (a thread runs consecutive groups). Without the second, each group's first K block was read with no prefetch
-// in flight: SmolLM2's 211 fp32 products of a decode step streamed from memory took 3-4 % longer (1 and 8 rows).
+// How far ahead the first row block of a K block prefetches each panel's stream: fp32 and int8, the next K block of
+// the same panels; int4, kPrefetchI4 bytes. Where that would pass the panel's end, the same distance into the panels
+// that follow the group's in memory, the group a thread of packed_linear takes next (a thread runs consecutive
+// groups): fp32 and int8 prefetch the next group's first K block during their last one; int4 shifts its distance by
+// the group's other panels (past the end of panel p lies panel p + 1, which the tile is reading already). Without
+// that, each group's first K block was read with no prefetch in flight: SmolLM2's 211 fp32 products of a decode step
+// streamed from memory took 3-4 % longer (1 and 8 rows), its 210 int4 ones 5-11 %.
 template <Kind W>
 inline int64_t prefetch_ahead(const Product& p, int64_t count, int64_t k0, bool last) {
+  if (W == Kind::kI4) {
+    const bool past = (k0 + kBlockK) * row_bytes<W>() + kPrefetchI4 > p.ldw;
+    return past ? kPrefetchI4 + (count - 1) * p.ldw : kPrefetchI4;
+  }
   return last ? count * p.ldw - k0 * row_bytes<W>() : kBlockK * row_bytes<W>();
 }
 
