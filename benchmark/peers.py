@@ -133,6 +133,7 @@ def measure(
     run["started"] = time.strftime("%Y-%m-%d %H:%M")
     run["workload"] = {"prompt_lengths": [len(p) for p in prompts["workload"]], "new_tokens": sizes.workload_new_tokens}
     run["prefill_lengths"], run["batch"] = list(sizes.prefill_lengths), sizes.batch
+    run["decode_positions"] = plan.decode_positions(sizes)
     with StepProgress("peers benchmark", total) as bar:
         with bar.step("machine, versions"):
             run["machine"], run["versions"] = versions.machine(), {}

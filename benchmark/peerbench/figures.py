@@ -125,24 +125,49 @@ def met(goal: Goal, ratio: float | None) -> str:
     return "met" if (ratio <= goal.bound if goal.at_most else ratio >= goal.bound) else "not met"
 
 
+KV_VALUE_BYTES = 4
+"""Bytes of one cached key or value element in our artifacts of these runs (fp32 cache)."""
+
+
+def kv_bytes(run: dict[str, Any], rows: int, positions: float) -> float:
+    """The KV cache a decode step of ``rows`` sequences reads when each attends ``positions`` cache positions: keys
+    and values of every layer, fp32; 0 for a run recorded before the probes' shape held the KV width."""
+    shape = run["probes"][0]["shape"]
+    return rows * positions * shape["layers"] * 2 * shape.get("kv_width", 0) * KV_VALUE_BYTES
+
+
+def workload_positions(run: dict[str, Any]) -> float:
+    """The mean cache positions a decode step of the batch workload attends: the mean prompt, then half the new
+    tokens."""
+    work = run["workload"]
+    return sum(work["prompt_lengths"]) / len(work["prompt_lengths"]) + work["new_tokens"] / 2
+
+
 def floors(run: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Each row's floor from the run's best probe: ``bytes_ms`` = weight bytes / read bandwidth, ``flops_ms`` =
-    FLOPs / peak, ``floor`` the larger (in the row's unit; the workload's is a ceiling in tok/s: its prompts'
-    prefill FLOPs / peak + one batch decode floor per new token)."""
+    """Each row's floor from the run's best probe: ``bytes_ms`` = the bytes a step reads / read bandwidth (the
+    weights; for a decode step also the KV cache it reads at the run's mean decode context, `kv_bytes`),
+    ``flops_ms`` = FLOPs / peak, ``floor`` the larger (in the row's unit; the workload's is a ceiling in tok/s: its
+    prompts' prefill FLOPs / peak + one batch decode floor per new token, at the workload's own contexts)."""
     from benchmark.peerbench.probes import decode_flops, prefill_flops
 
     best = machine_limits(run)
-    shape, peak, bytes_ms = run["probes"][0]["shape"], best["peak_flops"], 1000 * best["weight_bytes"] / best["read_bw"]
+    shape, peak, bandwidth = run["probes"][0]["shape"], best["peak_flops"], best["read_bw"]
+    positions = run.get("decode_positions", 0.0)
 
-    def both(flops: float) -> dict[str, float]:
-        flops_ms = 1000 * flops / peak
+    def both(flops: float, kv: float = 0.0) -> dict[str, float]:
+        flops_ms, bytes_ms = 1000 * flops / peak, 1000 * (best["weight_bytes"] + kv) / bandwidth
         return {"bytes_ms": bytes_ms, "flops_ms": flops_ms, "floor": max(bytes_ms, flops_ms)}
 
-    out = {"decode_b1_ms": both(decode_flops(shape, 1)), "decode_b8_ms": both(decode_flops(shape, run["batch"]))}
+    batch = run["batch"]
+    out = {
+        "decode_b1_ms": both(decode_flops(shape, 1), kv_bytes(run, 1, positions)),
+        "decode_b8_ms": both(decode_flops(shape, batch), kv_bytes(run, batch, positions)),
+    }
     out |= {f"prefill_{n}_ms": both(prefill_flops(shape, n)) for n in run["prefill_lengths"]}
     work = run["workload"]
     prefill_ms = 1000 * sum(prefill_flops(shape, n) for n in work["prompt_lengths"]) / peak
-    decode_ms = work["new_tokens"] * out["decode_b8_ms"]["floor"]
+    step = both(decode_flops(shape, batch), kv_bytes(run, batch, workload_positions(run)))
+    decode_ms = work["new_tokens"] * step["floor"]
     tokens = work["new_tokens"] * len(work["prompt_lengths"])
     out["workload_tok_s"] = {
         "bytes_ms": decode_ms,

@@ -98,7 +98,7 @@ def decode_bytes(tensors: Mapping[str, tuple[str, int]]) -> dict[str, Any]:
     """The bytes a decode step reads from weights: every stored tensor (each read once a step: the linear
     layers' quantized values and scales, the norms, the LM head) but the token embedding table when a separate LM
     head is stored (the step then gathers one row of it); with tied embeddings the table is stored once and the LM
-    head reads all of it. The KV cache and activations are not counted (a few MB at the decode rows' contexts)."""
+    head reads all of it. The KV cache is counted apart (`figures.kv_bytes`), activations not at all."""
     stored = sum(size for _, size in tensors.values())
     embedding = sum(size for name, (_, size) in tensors.items() if name.endswith(EMBEDDING))
     tied = not any(name.endswith(LM_HEAD) for name in tensors)

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from benchmark.peerbench.plan import DECODE_WARMUP
+
 THREADS = 2
 
 
@@ -26,7 +28,7 @@ def _engine(artifact: str) -> Any:
 
 def decode(spec: dict[str, Any]) -> dict[str, Any]:
     """Token-generation steps of the engine with ``batch`` live rows after a short prompt each (as
-    `benchmark.decode` does): 3 warm-up steps, then ``steps`` timed ones. ms per step."""
+    `benchmark.decode` does): `DECODE_WARMUP` warm-up steps, then ``steps`` timed ones. ms per step."""
     from optimum.neuron.runtime.sampling import SamplingParams
 
     engine = _engine(spec["artifact"])
@@ -35,7 +37,7 @@ def decode(spec: dict[str, Any]) -> dict[str, Any]:
         engine.admit(row, prompt, SamplingParams())
         engine.step({row: len(prompt)})
     every = dict.fromkeys(range(len(prompts)), 1)
-    for _ in range(3):
+    for _ in range(DECODE_WARMUP):
         engine.step(every)
     times = []
     for _ in range(spec["steps"]):

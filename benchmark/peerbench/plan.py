@@ -11,6 +11,8 @@ SEQUENCE_LENGTH, CHUNK = 2048, 256
 """Our artifacts: room for a 1,024-token prompt and its answer; chunked prefill of 256 tokens."""
 FIRST_ID, LAST_ID = 100, 40000
 """Random prompts use ordinary token ids (no special tokens)."""
+DECODE_WARMUP = 3
+"""Untimed decode steps of ours after the prompt, before the timed ones (`ours.decode`)."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,12 @@ class Plan:
     def quick(cls, rounds: int | None = None) -> Plan:
         """A short run for validation: fewer rounds, steps, repeats and new tokens (same shapes otherwise)."""
         return cls(rounds=rounds or 2, decode_steps=16, prefill_repeats=1, workload_new_tokens=32, llama_repetitions=1)
+
+
+def decode_positions(plan: Plan) -> float:
+    """The mean number of cache positions a timed decode step of ours attends: the prompt, the warm-up steps, then
+    one more per timed step (the KV cache a step reads grows with it: `figures.floors`)."""
+    return plan.decode_context + DECODE_WARMUP + (plan.decode_steps + 1) / 2
 
 
 def inputs(plan: Plan, seed: int = 0, last_id: int = LAST_ID) -> dict[str, Any]:

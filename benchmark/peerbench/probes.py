@@ -81,6 +81,7 @@ def model_shape(model_dir: str | Path) -> dict[str, int]:
         "tied": int(tied),
         "layers": layers,
         "q_width": heads * head_dim,
+        "kv_width": kv_heads * head_dim,
     }
 
 

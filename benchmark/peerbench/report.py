@@ -19,12 +19,14 @@ from benchmark.peerbench.figures import (
     floors,
     goal_ratio,
     goals,
+    kv_bytes,
     labels,
     machine_limits,
     median,
     met,
     rows,
     weight_format,
+    workload_positions,
 )
 from benchmark.peerbench.figures import samples as cell_samples
 
@@ -71,8 +73,9 @@ def floor_lines(run: dict[str, Any]) -> list[str]:
         "2-thread fp32 `sum` over 512 MiB and a 2-thread GEMV over fp32 matrices as large as the fp32 model); peak "
         f"{machine['peak_flops'] / 1e9:.0f} GFLOP/s (2-thread fp32 GEMM 2048^3, the better of torch.mm and our "
         f"packed kernel){int_note}. Bandwidth floor of a "
-        f"decode step: {machine['weight_bytes'] / 1e6:,.1f} MB / {machine['read_bw'] / 1e9:.1f} GB/s = "
-        f"{1000 * machine['weight_bytes'] / machine['read_bw']:.2f} ms. Each row's floor is the larger of bytes / "
+        f"decode step's weights: {machine['weight_bytes'] / 1e6:,.1f} MB / {machine['read_bw'] / 1e9:.1f} GB/s = "
+        f"{1000 * machine['weight_bytes'] / machine['read_bw']:.2f} ms (plus its KV cache, as counted above). Each "
+        "row's floor is the larger of bytes / "
         "bandwidth and FLOPs / peak; the batch workload's "
         "is a ceiling: its prompts' prefill FLOPs / peak + one batch decode floor per output token (its two "
         "columns: all decode steps' floor, all prefills' FLOPs / peak). x floor: figure / floor (throughput: floor "
@@ -136,13 +139,16 @@ def bytes_counted(run: dict[str, Any]) -> str:
     total, source = decode_bytes(run)
     fmt = weight_format(run)
     if source == "config" and fmt == "fp32":
-        return f"Weight bytes {total / 1e6:,.0f} MB (fp32, tied embeddings once, from the model's config)."
+        return (
+            f"Weight bytes {total / 1e6:,.0f} MB (fp32, tied embeddings once, from the model's config); "
+            + kv_counted(run)
+        )
     if source == "config":
         return (
             f"Bytes a decode step of ours reads: {total / 1e6:,.1f} MB, computed from the model's config under our "
             f"{fmt} scheme (our artifact was not exported in this run): the decoder layers' linear weights at "
             f"{'1 byte' if fmt == 'int8' else 'half a byte'} each plus their fp32 scales, every other weight fp32 "
-            "(tied embeddings once); the KV cache and activations not counted."
+            f"(tied embeddings once); {kv_counted(run)}"
         )
     counted = run["formats"][OURS]["decode_bytes"]
     types = ", ".join(f"{t} {b / 1e6:,.1f} MB" for t, b in run["formats"][OURS]["weights"].items())
@@ -156,7 +162,21 @@ def bytes_counted(run: dict[str, Any]) -> str:
     return (
         f"Bytes a decode step of ours reads: {total / 1e6:,.1f} MB, counted from our batch-1 artifact's "
         f"`model.safetensors` header: every stored tensor ({types}: the quantized linear weights, their scales, the "
-        f"norms), {embedding}; the KV cache and activations are not counted (a few MB at these contexts)."
+        f"norms), {embedding}; {kv_counted(run)}"
+    )
+
+
+def kv_counted(run: dict[str, Any]) -> str:
+    """How the floors count the KV cache a decode step reads (`figures.kv_bytes`)."""
+    batch, positions = run["batch"], run.get("decode_positions", 0.0)
+    if not kv_bytes(run, 1, 1):
+        return "the KV cache and activations are not counted (this run predates their count)."
+    work = workload_positions(run)
+    return (
+        f"each decode row adds the KV cache its steps read, fp32 keys and values of every layer at the mean context "
+        f"(the decode rows: {positions:.0f} positions, {kv_bytes(run, 1, positions) / 1e6:,.1f} MB at batch 1, "
+        f"{kv_bytes(run, batch, positions) / 1e6:,.1f} MB at batch {batch}; the batch workload's steps: {work:.0f} "
+        f"positions, {kv_bytes(run, batch, work) / 1e6:,.1f} MB); activations are not counted."
     )
 
 

@@ -64,6 +64,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "workload": work,
         "prefill_lengths": list(TINY.prefill_lengths),
         "batch": TINY.batch,
+        "decode_positions": plan.decode_positions(TINY),
         "probes": [probe],
         "figures": figures_,
         "log": log,
@@ -95,6 +96,27 @@ def test_report_renders_our_figures_and_names_the_missing_peers(tiny_run: dict[s
     row = next(line for line in text.splitlines() if line.startswith("| prefill 17 tokens, ms |"))
     assert row.count("—") == 3, row  # vllm.LLM, OpenVINO, llama.cpp have no prefill figure here
     assert "## Failed measurements" not in text
+
+
+def test_decode_floors_count_the_kv_cache_each_step_reads(tiny_run: dict[str, Any]) -> None:
+    """A decode row's bandwidth floor counts the KV cache its steps read at the run's mean context (rows x positions x
+    layers x keys and values x KV width x 4 bytes) on top of the weights, which are all a prefill row counts; a run
+    recorded before the probes held the KV width renders its floors as it did."""
+    shape = tiny_run["probes"][0]["shape"]
+    per_position = shape["layers"] * 2 * shape["kv_width"] * 4
+    assert per_position > 0
+    bandwidth = figures.machine_limits(tiny_run)["read_bw"]
+    bounds = figures.floors(tiny_run)
+    weights_ms = bounds[f"prefill_{TINY.prefill_lengths[0]}_ms"]["bytes_ms"]
+    positions = TINY.decode_context + plan.DECODE_WARMUP + (TINY.decode_steps + 1) / 2
+    for key, rows in (("decode_b1_ms", 1), ("decode_b8_ms", TINY.batch)):
+        kv_ms = 1000 * rows * positions * per_position / bandwidth
+        assert bounds[key]["bytes_ms"] - weights_ms == pytest.approx(kv_ms)
+    older = {**tiny_run, "probes": [{**p, "shape": {**p["shape"], "kv_width": 0}} for p in tiny_run["probes"]]}
+    del older["decode_positions"]
+    assert figures.floors(older)["decode_b8_ms"]["bytes_ms"] == pytest.approx(weights_ms)
+    assert "predates" in report.kv_counted(older)
+    assert f"{positions:.0f} positions" in report.kv_counted(tiny_run)
 
 
 def test_goal_ratios_use_the_medians_and_the_better_peer(tiny_run: dict[str, Any]) -> None:
@@ -237,7 +259,8 @@ def test_quantized_report_names_its_format_and_counts_the_floor_from_the_artifac
     counted = run["formats"]["ours"]["decode_bytes"]["decode"]
     assert figures.decode_bytes(run) == (counted, "artifact")
     bandwidth = figures.machine_limits(run)["read_bw"]
-    assert figures.floors(run)["decode_b1_ms"]["bytes_ms"] == pytest.approx(1000 * counted / bandwidth)
+    kv = figures.kv_bytes(run, 1, run["decode_positions"])  # the cache a step reads (its own test above)
+    assert figures.floors(run)["decode_b1_ms"]["bytes_ms"] == pytest.approx(1000 * (counted + kv) / bandwidth)
     text = report.write(run, tmp_path).read_text()
     assert (tmp_path / "peers-int8.json").is_file() and (tmp_path / "peers-int8.png").read_bytes().startswith(PNG)
     assert not (tmp_path / "peers.md").exists()
