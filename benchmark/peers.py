@@ -58,10 +58,10 @@ def settings(sizes: plan.Plan, weight_format: str = "fp32") -> list[str]:
     """How each row is measured (printed under the table)."""
     steps = sizes.decode_steps
     return [
-        f"- Decode: ours = mean engine step after a {sizes.decode_context}-token prompt ({steps} steps after 3 "
-        f"warm-up; batch 8 = 8 live rows); OpenVINO = `LLMPipeline` TPOT over {steps} tokens (batch 8: mean step "
-        f"of `ContinuousBatchingPipeline` with 8 decoding rows); llama.cpp = `llama-bench -n {steps}` (tg from an "
-        "empty context).",
+        f"- Decode: ours = mean engine step after a {sizes.decode_context}-token prompt ({steps} steps after "
+        f"{plan.DECODE_WARMUP} warm-up; batch 8 = 8 live rows); OpenVINO = `LLMPipeline` TPOT over {steps} tokens "
+        f"(batch 8: mean step of `ContinuousBatchingPipeline` with 8 decoding rows); llama.cpp = `llama-bench -n "
+        f"{steps}` (tg from an empty context).",
         f"- Prefill: time to first token, median of {sizes.prefill_repeats} fresh prompts after a warm-up one; ours "
         "= one engine step (chunks of 256 inside it, S=2048 artifact, batch 1); OpenVINO = `LLMPipeline` TTFT "
         "metric (its defaults: paged attention, prefix cache on but never hit); llama.cpp = `llama-bench -p` (pp).",
