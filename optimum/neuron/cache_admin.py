@@ -11,7 +11,8 @@ The exporter writes two kinds of entries under the cache root (`cache_dir.cache_
     <kind>/<key>.tmp<pid>   an entry being built by process <pid>, or left by a killed one
 
 An artifact's graph files are hard links of its graph entries' files where the file system allows. An entry folder's
-modification time is its last use. ``inductor/`` and ``kernels/`` are scratch caches (removed by ``clear --all``);
+modification time is its last use. ``inductor/``, ``kernels/`` and ``calibrated/`` are scratch caches (removed by
+``clear --all``);
 everything else under the root (``models/``, ``fixtures/``, ``peers/``) is never touched here.
 
 An entry is removed only while this process holds its lock (never one another process is building), by renaming it
@@ -38,8 +39,12 @@ EXPORTS = "exports"
 """The artifacts' folder under the cache root (`optimum.exporters.neuron.export.cached_export` builds there)."""
 GRAPHS = "graphs"
 """The graph entries' folder under the cache root (`optimum.exporters.neuron.graph_cache` builds there)."""
-SCRATCH = ("inductor", "kernels")
-"""Scratch caches rebuilt on demand: inductor's own cache and the packed CPU kernel's build (``clear --all``)."""
+CALIBRATED = "calibrated"
+"""GPTQ's chosen weights, one ``<key>.safetensors`` per checkpoint and quantization (`optimum.neuron.gptq`): exports
+of one checkpoint at other shapes take them instead of calibrating again."""
+SCRATCH = ("inductor", "kernels", CALIBRATED)
+"""Scratch caches rebuilt on demand: inductor's own cache, the packed CPU kernel's build and GPTQ's chosen weights
+(``clear --all``)."""
 ENTRY_FILE = "entry.json"
 """A graph entry's record, written last by the exporter (`graph_cache.GraphCache.commit`): a folder without it is no
 entry."""

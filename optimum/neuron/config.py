@@ -41,6 +41,7 @@ ATTENTION_KERNELS = ("auto", "paged", "sdpa")
 WEIGHT_FORMATS = ("float", "int8", "int4")
 LM_HEAD_FORMATS = ("float", "int8")
 INT4_RANGES = ("symmetric", "full")
+QUANTIZATION_METHODS = ("rtn", "gptq")
 KV_CACHE_DTYPES = ("auto", "int8")
 KV_INT8_BACKENDS = ("eager", "inductor")
 """Backends an int8 KV cache compiles on (its cache list holds int8 values and float32 scales)."""
@@ -49,6 +50,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "weight_format": WEIGHT_FORMATS,
     "lm_head_format": LM_HEAD_FORMATS,
     "int4_range": INT4_RANGES,
+    "quantization_method": QUANTIZATION_METHODS,
     "backend": BACKENDS,
     "device": DEVICES,
     "linear_kernel": LINEAR_KERNELS,
@@ -195,6 +197,13 @@ class NeuronConfig:
     all 16 levels as llama.cpp's Q4_0: the group's weight of largest magnitude ``m`` gives ``scale = m / -8`` and ``q``
     in [-8, 7]. The same bytes, kernels and speed; on SmolLM2 the perplexity cost of int4 g64 falls from +54 % to
     +29 % (docs/export.md, "Quantized weights")."""
+    quantization_method: str = "rtn"
+    """How ``weight_format`` int8 / int4 picks its integer values and scales: ``rtn``, each weight rounded to nearest
+    with the scheme's scale (the default: no data, exactly the documented scheme); ``gptq``, chosen against
+    calibration text (the standard library's docstrings) so that each layer's outputs change least: GPTQ with scales
+    searched per group (`optimum.neuron.gptq`). The same stored form, graphs, kernels and speed; SmolLM2 in int4 (g32,
+    ``--int4_range full``, int8 head) then costs +5.8 % perplexity, where rounding costs +29 % to +54 %, for minutes
+    of calibration at export, kept in the cache (docs/export.md, "Calibrated values (GPTQ)")."""
     weight_group_size: int = 0
     """int4 only: input columns per scale; 0 picks the largest of 128, 64, 32 that divides every quantized layer's
     input size (the export records the size it used)."""
@@ -524,6 +533,11 @@ def _check_weight_format(config: NeuronConfig) -> None:
         raise IncompatibleConfigError(
             f"int4_range={config.int4_range!r} applies to {flag('weight_format')} int4 only: drop "
             f"{flag('int4_range')} or pass {flag('weight_format')} int4."
+        )
+    if config.quantization_method != "rtn" and config.weight_format == "float":
+        raise IncompatibleConfigError(
+            f"quantization_method={config.quantization_method!r} chooses quantized weights: pass "
+            f"{flag('weight_format')} int8 or int4, or drop {flag('quantization_method')}."
         )
     if group % 2:
         raise IncompatibleConfigError(

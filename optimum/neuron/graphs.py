@@ -142,9 +142,11 @@ SPEC_FIELDS = (
     "image_tiles",
     "image_size",
     "max_images",
+    "quantization_method",
 )
 """The `NeuronConfig` fields that reach a compiled graph only through its `GraphSpec` (which graphs exist, their
-tokens, KV windows, outputs and image shape) or not at all: `graph_fields` leaves them out."""
+tokens, KV windows, outputs and image shape) or not at all (``quantization_method`` picks weight values, which every
+backend binds at load): `graph_fields` leaves them out."""
 
 
 def graph_fields(config: NeuronConfig) -> dict[str, object]:

@@ -216,7 +216,8 @@ def _compression(scheme: Any, default_format: str) -> str:
 
 def fit_checkpoint_format(config: NeuronConfig, scheme: CheckpointScheme) -> NeuronConfig:
     """``config`` with the checkpoint's format and group size; an explicit ``--weight_format`` or
-    ``--weight_group_size`` that differs, or ``--int4_range full``, is refused naming the flag."""
+    ``--weight_group_size`` that differs, ``--int4_range full`` or ``--quantization_method gptq``, is refused naming the
+    flag."""
     source = f"the checkpoint is already quantized ({METHOD} {scheme.describe()}) and is exported as it is"
     if config.weight_format not in ("float", scheme.weight_format):
         raise IncompatibleConfigError(
@@ -228,6 +229,11 @@ def fit_checkpoint_format(config: NeuronConfig, scheme: CheckpointScheme) -> Neu
         raise IncompatibleConfigError(
             f"weight_group_size={config.weight_group_size}: {source}, with groups of {scheme.group_size or 'one row'}"
             f": drop {flag('weight_group_size')}; to quantize otherwise, export the float checkpoint it was made from."
+        )
+    if config.quantization_method != "rtn":
+        raise IncompatibleConfigError(
+            f"quantization_method={config.quantization_method!r}: {source}, with its own values and scales: drop "
+            f"{flag('quantization_method')}; to calibrate otherwise, export the float checkpoint it was made from."
         )
     if config.int4_range != "symmetric":
         raise IncompatibleConfigError(

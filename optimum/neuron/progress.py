@@ -55,6 +55,10 @@ class Line:
         self.task = owner.progress.add_task(f"  {name}", total=1)
         self.start = time.perf_counter()
 
+    def update(self, note: str) -> None:
+        """Show ``note`` beside the running step's name (how far it is)."""
+        self.owner.progress.update(self.task, description=f"  {self.name} [dim]({note})[/dim]")
+
     def finish(self, note: str = "") -> None:
         """Mark the step done: its line shows ``note`` (or the elapsed time) and the overall bar advances."""
         elapsed = time.perf_counter() - self.start

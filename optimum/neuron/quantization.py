@@ -51,16 +51,26 @@ def quantize(
     weight: torch.Tensor, fmt: str, group: int, int4_range: str = "symmetric"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q int8 [N, K], scale float32 [N, K / group])`` of ``weight [N, K]`` under format ``fmt`` (the scheme
-    above; int8 takes ``group = K``; ``int4_range`` ``full``: Q4_0's 16 levels)."""
+    above; int8 takes ``group = K``; ``int4_range`` ``full``: Q4_0's 16 levels): rounded to nearest."""
     rows, columns = weight.shape
     grouped = weight.float().reshape(rows, columns // group, group)
+    scale, low, high = base_scale(grouped, fmt, int4_range)
+    return round_to(grouped, scale[..., None], low, high).to(torch.int8).reshape(rows, columns), scale
+
+
+def base_scale(grouped: torch.Tensor, fmt: str, int4_range: str = "symmetric") -> tuple[torch.Tensor, int, int]:
+    """The scheme's scale of each group of ``grouped [N, groups, G]`` (float32 ``[N, groups]``) and the range of
+    ``q``: symmetric ``max|w| / levels`` in [-levels, levels], or int4 ``full``'s ``m / -8`` in [-8, 7]."""
     if fmt == "int4" and int4_range == "full":
-        scale, low, high = largest_magnitude(grouped) / -8, -8, 7
-    else:
-        scale, low, high = grouped.abs().amax(dim=-1) / LEVELS[fmt], -LEVELS[fmt], LEVELS[fmt]
+        return largest_magnitude(grouped) / -8, -8, 7
+    return grouped.abs().amax(dim=-1) / LEVELS[fmt], -LEVELS[fmt], LEVELS[fmt]
+
+
+def round_to(weight: torch.Tensor, scale: torch.Tensor, low: int, high: int) -> torch.Tensor:
+    """``round(weight / scale)`` clamped to [low, high] (float; ``scale`` broadcast against ``weight``; a zero scale
+    gives 0): the integer values a scale gives."""
     divisor = torch.where(scale != 0, scale, torch.ones_like(scale))
-    q = torch.round(grouped / divisor[..., None]).clamp(low, high)
-    return q.to(torch.int8).reshape(rows, columns), scale
+    return torch.round(weight / divisor).clamp(low, high)
 
 
 def largest_magnitude(x: torch.Tensor) -> torch.Tensor:
@@ -137,10 +147,15 @@ def stored_form(weights: dict[str, torch.Tensor], layers: Iterable[str], config:
             continue
         weight = stored.pop(f"{layer}.weight")
         group = config.weight_group_size if fmt == "int4" else weight.shape[1]
-        q, scale = quantize(weight, fmt, group, config.int4_range)
-        stored[f"{layer}.weight"] = pack_nibbles(q) if fmt == "int4" else q
-        stored[f"{layer}.{SCALE}"] = scale
+        store(stored, layer, fmt, *quantize(weight, fmt, group, config.int4_range))
     return stored
+
+
+def store(stored: dict[str, Any], layer: str, fmt: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Put layer ``layer``'s values ``q`` (int8, one a weight) and ``scale`` into the weight set ``stored``, in the
+    stored form of format ``fmt`` (int4 packed two a byte)."""
+    stored[f"{layer}.weight"] = pack_nibbles(q) if fmt == "int4" else q
+    stored[f"{layer}.{SCALE}"] = scale
 
 
 def quantized_layers(weights: dict[str, torch.Tensor]) -> list[str]:
@@ -211,7 +226,11 @@ def fit_group_size(config: NeuronConfig, hf_config: Any) -> NeuronConfig:
 
     def inputs(tp_degree: int) -> list[int]:
         float_config = config.derive(
-            tp_degree=tp_degree, weight_format="float", weight_group_size=0, int4_range="symmetric"
+            tp_degree=tp_degree,
+            weight_format="float",
+            weight_group_size=0,
+            int4_range="symmetric",
+            quantization_method="rtn",
         )
         decoder = empty_decoder(hf_config, float_config)
         return quantized_inputs(decoder)

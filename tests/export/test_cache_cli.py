@@ -44,7 +44,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 decode_logits=False,
             )
             cached_export(model, config)
-    for stand_in in ("models/tiny-stand-in", "kernels/stand-in", "inductor/stand-in"):  # built or not by now
+    stand_ins = ("models/tiny-stand-in", "kernels/stand-in", "inductor/stand-in", "calibrated/stand-in")
+    for stand_in in stand_ins:  # built or not by now
         (cache / stand_in).mkdir(parents=True, exist_ok=True)
         (cache / stand_in / "config.json").write_text("{}")
     return cache
@@ -198,10 +199,11 @@ def test_clear_empties_exports_and_graphs_and_keeps_models(cache: Path) -> None:
     assert not list((cache / "exports").iterdir())
     assert sorted(p.name for p in (cache / "graphs").iterdir()) == sorted([held, f"{held}.lock"])
     assert (cache / "models" / "tiny-stand-in" / "config.json").is_file()
-    assert (cache / "kernels").is_dir() and any((cache / "kernels").iterdir()), "clear without --all took kernels/"
+    for scratch in ("kernels", "calibrated"):
+        assert any((cache / scratch).iterdir()), f"clear without --all took {scratch}/"
     again = cli(cache, "clear", "--all")
     assert again.returncode == 0, again.stderr
-    for scratch in ("graphs", "kernels", "inductor"):
+    for scratch in ("graphs", "kernels", "inductor", "calibrated"):
         assert not list((cache / scratch).iterdir()), scratch
     assert (cache / "models" / "tiny-stand-in" / "config.json").is_file()
     assert "freed" in again.stdout

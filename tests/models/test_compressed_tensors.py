@@ -179,6 +179,8 @@ def test_the_flags_take_the_checkpoints_format_and_refuse_another() -> None:
         fit_weight_format(NeuronConfig(weight_format="int4", weight_group_size=64), config)
     with pytest.raises(IncompatibleConfigError, match=r"int4_range='full': .*own values and scales.*--int4_range"):
         fit_weight_format(NeuronConfig(weight_format="int4", int4_range="full"), config)
+    with pytest.raises(IncompatibleConfigError, match=r"quantization_method='gptq': .*--quantization_method"):
+        fit_weight_format(NeuronConfig(weight_format="int4", quantization_method="gptq"), config)
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ GRAPH_SOURCES = (
     "neuron/artifact.py",
     "neuron/quantization.py",
     "neuron/prequantized.py",
+    "neuron/gptq.py",
     "exporters/neuron",
 )
 """What `code_fingerprint` hashes, relative to `PACKAGE_ROOT`: folders (their ``*.py``) and files."""

@@ -8,20 +8,22 @@ model files and the toolkit's code (a repeated export with the same inputs is a 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ...neuron.artifact import GRAPHS_DIR, WEIGHTS_FILE, graph_file, head_record, sha256_of, write_manifest
 from ...neuron.backends import get_backend
-from ...neuron.cache_admin import EXPORTS
+from ...neuron.cache_admin import CALIBRATED, EXPORTS
 from ...neuron.cache_dir import cache_lock, cache_root
 from ...neuron.config import CONFIG_FILE, NeuronConfig
 from ...neuron.errors import WeightLoadingError
+from ...neuron.gptq import calibrate
 from ...neuron.graphs import GraphSpec, graph_fields, graph_specs, window_spans
 from ...neuron.models.image_text import fit_images
 from ...neuron.models.registry import image_text_family
@@ -145,7 +147,8 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, graphs: GraphCache 
     ranks = f", {config.tp_degree} tensor-parallel ranks" if config.tp_degree > 1 else ""
     title = f"export {model_dir.name} ({config.backend}, {config.device}{ranks})"
     record = _entry_record(model_dir, config, hf_config)
-    with StepProgress(title, 2 + len(specs)) as bar, tracing_group(config.tp_degree), ExitStack() as held:
+    steps = 2 + len(specs) + (config.quantization_method == "gptq")
+    with StepProgress(title, steps) as bar, tracing_group(config.tp_degree), ExitStack() as held:
         # workers start before the graphs are looked up: they import while the keys are computed (inductor's first
         # check of the CPU's vector ISA compiles test programs for seconds, unless the CLI started it earlier)
         workers = start_workers(worker_count(len(specs), config, model_dir), model_dir, config, held)
@@ -174,14 +177,43 @@ def _build(model_dir: Path, out: Path, config: NeuronConfig, graphs: GraphCache 
         for spec in waiting:  # graphs another export was compiling: taken once it is done, compiled if it failed
             assert graphs is not None
             _take_or_compile(graphs, keys[spec.name], spec, loaded["builder"], record, folder, lines[spec.name])
+        weights = loaded["weights"]
+        if config.quantization_method == "gptq":
+            weights = {**weights, **_calibrated(model_dir, hf_config, weights, config, bar.line("calibrate (GPTQ)"))}
         with bar.step("write artifact"):
-            weights = loaded["weights"]
             save_file({k: v.cpu() for k, v in weights.items()}, str(out / WEIGHTS_FILE))
             files = {spec.name: graph_file(spec.name, backend.suffix) for spec in specs}
             write_manifest(out, files, weights, keys, window_spans(specs))
             _copy_hf_files(model_dir, out, hf_config)
             recorded = head_record(hf_config, config)
             (out / CONFIG_FILE).write_text(config.to_json([spec.name for spec in specs], recorded))
+
+
+def _calibrated(
+    model_dir: Path, hf_config: Any, weights: dict[str, Any], config: NeuronConfig, line: Line
+) -> dict[str, Any]:
+    """GPTQ's values and scales for the quantized layers of ``weights`` (`gptq.calibrate`), kept in the calibration
+    cache under a key of the checkpoint, the code and the quantization fields: another export of the same checkpoint
+    and quantization (another batch size, sequence length, backend) takes them."""
+    fields = ("weight_format", "weight_group_size", "int4_range", "quantization_method")
+    payload = {
+        "model": model_fingerprint(model_dir),
+        "code": code_fingerprint(),
+        "quantization": {name: getattr(config, name) for name in fields},
+    }
+    key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_root() / CALIBRATED / f"{key}.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with cache_lock(path.with_name(f"{path.name}.lock")):
+        if path.is_file():
+            line.finish("cached")
+            return load_file(str(path))
+        chosen = calibrate(model_dir, hf_config, weights, config, line.update)
+        staging = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        save_file(chosen, str(staging))
+        staging.rename(path)
+    line.finish()
+    return chosen
 
 
 def _plan(
