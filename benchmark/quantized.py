@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +37,18 @@ from benchmark.machine import describe, machine_line, read_bandwidth, save_resul
 
 RESULTS = Path(__file__).parent / "results"
 FORMATS = {
-    "fp32": ("float", 0, "float", "symmetric"),
-    "int8": ("int8", 0, "float", "symmetric"),
-    "int8 + int8 head": ("int8", 0, "int8", "symmetric"),
-    "int4 g64": ("int4", 0, "float", "symmetric"),
-    "int4 g64 + int8 head": ("int4", 0, "int8", "symmetric"),
-    "int4 g64 full + int8 head": ("int4", 0, "int8", "full"),
-    "int4 g32": ("int4", 32, "float", "symmetric"),
+    "fp32": ("float", 0, "float", "symmetric", "rtn"),
+    "int8": ("int8", 0, "float", "symmetric", "rtn"),
+    "int8 + int8 head": ("int8", 0, "int8", "symmetric", "rtn"),
+    "int4 g64": ("int4", 0, "float", "symmetric", "rtn"),
+    "int4 g64 + int8 head": ("int4", 0, "int8", "symmetric", "rtn"),
+    "int4 g64 full + int8 head": ("int4", 0, "int8", "full", "rtn"),
+    "int4 g32": ("int4", 32, "float", "symmetric", "rtn"),
+    "int4 g64 full gptq + int8 head": ("int4", 0, "int8", "full", "gptq"),
+    "int4 g32 full gptq + int8 head": ("int4", 32, "int8", "full", "gptq"),
 }
-"""Each measured format: its label -> ``(--weight_format, --weight_group_size, --lm_head_format, --int4_range)``
-(group 0: the default, 64 for SmolLM2)."""
+"""Each measured format: its label -> ``(--weight_format, --weight_group_size, --lm_head_format, --int4_range,
+--quantization_method)`` (group 0: the default, 64 for SmolLM2)."""
 SEQUENCE_LENGTH, CHUNK = 1024, 256
 CONTEXTS = (64, 1000)
 PERPLEXITY_TOKENS, WINDOW = 4096, 1024
@@ -62,10 +66,10 @@ TOPICS = (
 """The chat prompts' subjects: "Explain <topic> in two sentences."."""
 
 
-def export_for(model_dir: Path, fmt: str, group: int, head: str, int4_range: str, batch: int) -> Path:
-    """The benchmarked artifact of format ``fmt`` (int4 group ``group`` and range ``int4_range``), LM head format
-    ``head`` and batch ``batch`` (cached export); batch 1 also compiles the prompt-logprobs graph that perplexity
-    needs."""
+def export_for(model_dir: Path, fmt: str, group: int, head: str, int4_range: str, method: str, batch: int) -> Path:
+    """The benchmarked artifact of format ``fmt`` (int4 group ``group`` and range ``int4_range``, values chosen by
+    ``method``), LM head format ``head`` and batch ``batch`` (cached export); batch 1 also compiles the
+    prompt-logprobs graph that perplexity needs."""
     from optimum.exporters.neuron.export import cached_export
     from optimum.neuron.config import NeuronConfig
 
@@ -77,6 +81,7 @@ def export_for(model_dir: Path, fmt: str, group: int, head: str, int4_range: str
         weight_group_size=group,
         lm_head_format=head,
         int4_range=int4_range,
+        quantization_method=method,
         decode_logits=False,
         prompt_logprobs=batch == 1,
     )
@@ -177,6 +182,7 @@ def main() -> None:
     parser.add_argument(
         "--formats", help="comma-separated labels of FORMATS to measure (fp32 always; results then in quantized-subset)"
     )
+    parser.add_argument("--name", help="results file name (default: quantized, quantized-subset or quantized-quick)")
     args = parser.parse_args()
     if args.worker:
         _worker(json.loads(args.worker))
@@ -194,7 +200,14 @@ def main() -> None:
         parser.error(f"--formats takes labels of {list(FORMATS)}; unknown: {sorted(unknown)}")
     artifacts = {(label, b): export_for(model_dir, *FORMATS[label], b) for label in labels for b in (1, 8)}
     bandwidth = read_bandwidth()
-    body: dict[str, Any] = {"machine": describe(), "read_gbs": bandwidth / 1e9, "steps": steps, "formats": {}}
+    command = " ".join([".venv/bin/python -m benchmark.quantized", *(shlex.quote(a) for a in sys.argv[1:])])
+    body: dict[str, Any] = {
+        "machine": describe(),
+        "command": command,
+        "read_gbs": bandwidth / 1e9,
+        "steps": steps,
+        "formats": {},
+    }
     total = len(labels) * (2 * len(contexts) + 2)
     with StepProgress("benchmark quantized weights", total) as bar:
         for fmt in labels:
@@ -216,7 +229,7 @@ def main() -> None:
     for row in body["formats"].values():
         row["agreement"] = agreement(reference, row["chat_tokens"])
     body["contexts"] = list(contexts)
-    name = "quantized-quick" if args.quick else "quantized-subset" if args.formats else "quantized"
+    name = args.name or ("quantized-quick" if args.quick else "quantized-subset" if args.formats else "quantized")
     save_results(RESULTS / args.machine / f"{name}.json", body, render(body))
 
 
@@ -226,12 +239,13 @@ def render(body: dict[str, Any]) -> str:
     lines = [
         "# Weight-only quantization: SmolLM2-135M-Instruct, fp32 vs int8 vs int4 (inductor, CPU)",
         "",
-        "Command: `.venv/bin/python -m benchmark.quantized`. Machine: "
+        f"Command: `{body.get('command', '.venv/bin/python -m benchmark.quantized')}`. Machine: "
         + machine_line(body["machine"])
         + f". Read bandwidth measured in the run: {body['read_gbs']:.1f} GB/s. S={SEQUENCE_LENGTH}, C={CHUNK}; "
         f"decode = median of {body['steps']} steps after 3 warm-up, each cell in a fresh process. int8: per output "
         "channel; int4 gG: groups of G input columns (64: the default for SmolLM2), full: `--int4_range full` (16 "
-        "levels, Q4_0's rule); + int8 head: `--lm_head_format int8`, the tied embedding / LM head table int8 per "
+        "levels, Q4_0's rule); gptq: `--quantization_method gptq` (values and scales chosen by GPTQ on the stdlib's "
+        "docstrings); + int8 head: `--lm_head_format int8`, the tied embedding / LM head table int8 per "
         "vocabulary row (else fp32); norms fp32.",
         "",
         "| format | model.safetensors MB | x fp32 | bytes a step reads MB | floor ms |"
