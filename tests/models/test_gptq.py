@@ -165,3 +165,25 @@ def test_another_export_of_the_same_quantization_takes_the_calibrated_weights(
     out = exporter.export(fixture.model(), tmp_path / "batch1", fixture.neuron_config().derive(batch_size=1))
     second = load_file(str(out / WEIGHTS_FILE))
     assert second.keys() == first.keys() and all(torch.equal(second[k], first[k]) for k in first)
+
+
+def test_an_image_text_gptq_artifact_equals_transformers_on_its_stored_weights() -> None:
+    """Idefics3: the calibration runs the text decoder of a vision-language model (text only); its artifact, fed a
+    prompt with an image, gives transformers' greedy tokens on the checkpoint whose text layers hold the stored
+    ``q * scale``."""
+    from optimum.neuron import NeuronModelForImageTextToText
+    from tests.fixtures.llm.idefics3 import NEW_TOKENS, idefics3_export, inputs, our_tokens, reference
+
+    root = idefics3_export(24, weight_format="int4", quantization_method="gptq")
+    stored = load_file(str(root / WEIGHTS_FILE))
+    hf = reference()
+    layers = hf.get_decoder().layers
+    with torch.no_grad():
+        for layer in [key.removesuffix(f".{SCALE}") for key in stored if key.endswith(f".{SCALE}")]:
+            index, suffix = layer.removeprefix("model.layers.").split(".", 1)
+            q = unpack_nibbles(stored[f"{layer}.weight"])
+            layers[int(index)].get_submodule(suffix).weight.copy_(dequantize(q, stored[f"{layer}.{SCALE}"]))
+    batch = inputs(["hello the <image> what is this"], [[0]])
+    want = hf.generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    got = our_tokens(NeuronModelForImageTextToText.from_pretrained(root), batch)
+    assert got == want[:, batch["input_ids"].shape[1] :].tolist()
