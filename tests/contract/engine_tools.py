@@ -171,3 +171,20 @@ def private_tensor_shapes(engine: Engine) -> set[tuple[int, ...]]:
         assert names <= set(engine.weights), f"{name} holds constants that are not weights"
         shapes |= {tuple(engine.weights[n].shape) for n in names}
     return shapes
+
+
+def check_against_transformers(
+    engine: Engine, checkpoint: Path, lengths: tuple[int, ...], new: int, tolerance: float, label: str
+) -> None:
+    """For a prompt of each of ``lengths``: the engine's last-token prefill logits within ``tolerance`` of
+    transformers' on ``checkpoint``, and its ``new`` greedy tokens equal transformers' (a failure names ``label`` and
+    the length)."""
+    from tests.fixtures.llm.reference import hf_greedy, reference_model
+
+    for length in lengths:
+        ids = prompt(length, length)
+        with torch.no_grad():
+            want = reference_model(checkpoint)(torch.tensor([ids])).logits[0, -1]
+        got = prefill_logits(engine, ids)
+        assert (got - want).abs().max().item() < tolerance, (label, length)
+        assert alone(engine, ids, new) == hf_greedy(checkpoint, ids, new), (label, length)

@@ -20,10 +20,9 @@ from optimum.neuron.config import NeuronConfig
 from optimum.neuron.errors import IncompatibleConfigError, QuantizedCheckpointError
 from optimum.neuron.quantization import SCALE, dequantize, fit_weight_format, quantize, unpack_nibbles
 from optimum.neuron.runtime.engine import Engine
-from tests.contract.engine_tools import alone, prefill_logits, prompt
+from tests.contract.engine_tools import check_against_transformers
 from tests.fixtures.llm.compressed import compressed_model
 from tests.fixtures.llm.models import ExportFixture
-from tests.fixtures.llm.reference import hf_greedy, reference_model
 
 pytest.importorskip("compressed_tensors")  # installed with vLLM
 
@@ -57,13 +56,7 @@ def test_a_compressed_tensors_checkpoint_exports_as_transformers_runs_it(scheme:
     assert (engine.config.weight_format, engine.config.weight_group_size) == (weight_format, group)
     assert "quantization_config" not in json.loads((root / "config.json").read_text())
     checkpoint = compressed_model(scheme)
-    for length in LENGTHS:
-        ids = prompt(length, length)
-        with torch.no_grad():
-            want = reference_model(checkpoint)(torch.tensor([ids])).logits[0, -1]
-        got = prefill_logits(engine, ids)
-        assert (got - want).abs().max().item() < LOGIT_TOLERANCE, (scheme, length)
-        assert alone(engine, ids, NEW) == hf_greedy(checkpoint, ids, NEW), (scheme, length)
+    check_against_transformers(engine, checkpoint, LENGTHS, NEW, LOGIT_TOLERANCE, scheme)
 
 
 @pytest.mark.parametrize(("scheme", "lowest"), [("w4a16-g32", -8), ("w8a16", -128)])

@@ -20,9 +20,9 @@ from optimum.neuron.gptq import calibration_ids, gptq, searched_scale
 from optimum.neuron.graphs import graph_fields
 from optimum.neuron.quantization import SCALE, base_scale, dequantize, quantize, round_to, unpack_nibbles
 from optimum.neuron.runtime.engine import Engine
-from tests.contract.engine_tools import alone, prefill_logits, prompt
+from tests.contract.engine_tools import check_against_transformers
 from tests.fixtures.llm.models import GPTQ_FIXTURES, export_fixture, fixture_named
-from tests.fixtures.llm.reference import hf_greedy, reference_model, stored_checkpoint
+from tests.fixtures.llm.reference import stored_checkpoint
 
 NAMES = [fixture.name for fixture in GPTQ_FIXTURES]
 LENGTHS = (1, 9, 17)
@@ -106,13 +106,7 @@ def test_a_gptq_artifact_equals_transformers_on_its_stored_weights(name: str) ->
     engine = Engine(Artifact.open(root))
     fixture = fixture_named(name)
     reference = stored_checkpoint(fixture.model(), root)
-    for length in LENGTHS:
-        ids = prompt(length, length)
-        with torch.no_grad():
-            want = reference_model(reference)(torch.tensor([ids])).logits[0, -1]
-        got = prefill_logits(engine, ids)
-        assert (got - want).abs().max().item() < LOGIT_TOLERANCE, (name, length)
-        assert alone(engine, ids, NEW) == hf_greedy(reference, ids, NEW), (name, length)
+    check_against_transformers(engine, reference, LENGTHS, NEW, LOGIT_TOLERANCE, name)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -171,12 +165,14 @@ def test_an_image_text_gptq_artifact_equals_transformers_on_its_stored_weights()
     """Idefics3: the calibration runs the text decoder of a vision-language model (text only); its artifact, fed a
     prompt with an image, gives transformers' greedy tokens on the checkpoint whose text layers hold the stored
     ``q * scale``."""
+    from transformers import Idefics3ForConditionalGeneration
+
     from optimum.neuron import NeuronModelForImageTextToText
-    from tests.fixtures.llm.idefics3 import NEW_TOKENS, idefics3_export, inputs, our_tokens, reference
+    from tests.fixtures.llm.idefics3 import NEW_TOKENS, idefics3_export, inputs, our_tokens, tiny_idefics3
 
     root = idefics3_export(24, weight_format="int4", quantization_method="gptq")
     stored = load_file(str(root / WEIGHTS_FILE))
-    hf = reference()
+    hf = Idefics3ForConditionalGeneration.from_pretrained(tiny_idefics3(), dtype=torch.float32).eval()  # a private copy
     layers = hf.get_decoder().layers
     with torch.no_grad():
         for layer in [key.removesuffix(f".{SCALE}") for key in stored if key.endswith(f".{SCALE}")]:

@@ -18,9 +18,9 @@ from optimum.neuron.config import NeuronConfig
 from optimum.neuron.errors import IncompatibleConfigError
 from optimum.neuron.quantization import dequantize, pack_nibbles, quantize, unpack_nibbles
 from optimum.neuron.runtime.engine import Engine
-from tests.contract.engine_tools import alone, prefill_logits, prompt
+from tests.contract.engine_tools import check_against_transformers, prompt
 from tests.fixtures.llm.models import QUANTIZED_FIXTURES, export_fixture, fixture_named
-from tests.fixtures.llm.reference import dequantized_checkpoint, hf_greedy, reference_model
+from tests.fixtures.llm.reference import dequantized_checkpoint, hf_greedy
 from tests.models.ranks import greedy_on_rank, run_on_ranks
 
 SINGLE = [f.name for f in QUANTIZED_FIXTURES if f.tp == 1]
@@ -45,13 +45,7 @@ def reference_for(engine: Engine, name: str) -> Path:
 def test_quantized_artifact_equals_transformers_on_the_dequantized_weights(name: str) -> None:
     engine = Engine(Artifact.open(export_fixture(name)))
     reference = reference_for(engine, name)
-    for length in LENGTHS:
-        ids = prompt(length, length)
-        with torch.no_grad():
-            want = reference_model(reference)(torch.tensor([ids])).logits[0, -1]
-        got = prefill_logits(engine, ids)
-        assert (got - want).abs().max().item() < LOGIT_TOLERANCE, (name, length)
-        assert alone(engine, ids, NEW) == hf_greedy(reference, ids, NEW), (name, length)
+    check_against_transformers(engine, reference, LENGTHS, NEW, LOGIT_TOLERANCE, name)
 
 
 @pytest.mark.slow
