@@ -261,7 +261,8 @@ def _layer_inputs(
 
         return hook
 
-    with _hooks(blocks, seen), torch.no_grad():
+    hooks = [block.register_forward_pre_hook(seen(index), with_kwargs=True) for index, block in enumerate(blocks)]
+    with _removed(hooks), torch.no_grad():
         for row in range(len(ids)):
             report(f"inputs {row + 1}/{len(ids)}")
             with suppress(_Stop):
@@ -270,8 +271,8 @@ def _layer_inputs(
 
 
 @contextmanager
-def _hooks(blocks: nn.ModuleList, hook_of: Callable[[int], Callable[..., None]]) -> Iterator[None]:
-    handles = [block.register_forward_pre_hook(hook_of(index), with_kwargs=True) for index, block in enumerate(blocks)]
+def _removed(handles: list[Any]) -> Iterator[None]:
+    """Hold the hooks of ``handles`` (torch's removable handles) for the ``with`` block, then remove them."""
     try:
         yield
     finally:
@@ -299,15 +300,10 @@ def _hessians(
 
         return hook
 
-    handles = [linear.register_forward_pre_hook(hook_of(name)) for name, linear in linears.items()]
-    try:
-        with torch.no_grad():
-            for x in hidden:
-                products.clear()
-                block(x, **arguments)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with _removed([linear.register_forward_pre_hook(hook_of(name)) for name, linear in linears.items()]):
+        for x in hidden:
+            products.clear()
+            block(x, **arguments)
     return sums
 
 

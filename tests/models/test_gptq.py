@@ -18,11 +18,11 @@ from optimum.neuron.config import NeuronConfig
 from optimum.neuron.errors import IncompatibleConfigError
 from optimum.neuron.gptq import calibration_ids, gptq, searched_scale
 from optimum.neuron.graphs import graph_fields
-from optimum.neuron.quantization import SCALE, base_scale, dequantize, quantize, round_to, unpack_nibbles
+from optimum.neuron.quantization import base_scale, dequantize, quantize, round_to
 from optimum.neuron.runtime.engine import Engine
 from tests.contract.engine_tools import check_against_transformers
 from tests.fixtures.llm.models import GPTQ_FIXTURES, export_fixture, fixture_named
-from tests.fixtures.llm.reference import stored_checkpoint
+from tests.fixtures.llm.reference import stored_checkpoint, stored_values
 
 NAMES = [fixture.name for fixture in GPTQ_FIXTURES]
 LENGTHS = (1, 9, 17)
@@ -116,18 +116,16 @@ def test_a_gptq_artifact_stores_chosen_values_in_the_scheme(name: str) -> None:
     config = Artifact.open(root).config
     stored = load_file(str(root / WEIGHTS_FILE))
     float_weights = load_file(str(fixture_named(name).model() / "model.safetensors"))
-    layers = [key.removesuffix(f".{SCALE}") for key in stored if key.endswith(f".{SCALE}")]
-    assert layers and config.quantization_method == "gptq"
+    values = stored_values(stored)
+    assert values and config.quantization_method == "gptq"
     low = -8 if config.int4_range == "full" else -7 if config.weight_format == "int4" else -127
     changed = 0
-    for layer in layers:
-        q = stored[f"{layer}.weight"]
-        q = unpack_nibbles(q) if q.dtype == torch.uint8 else q
+    for layer, (q, _) in values.items():
         assert int(q.min()) >= low and int(q.max()) <= -low - (low == -8)
         group = config.weight_group_size if config.weight_format == "int4" else q.shape[1]
         rounded, _ = quantize(float_weights[f"{layer}.weight"], config.weight_format, group, config.int4_range)
         changed += int(not torch.equal(q, rounded))
-    assert changed == len(layers), f"GPTQ left {len(layers) - changed} of {len(layers)} layers rounded to nearest"
+    assert changed == len(values), f"GPTQ left {len(values) - changed} of {len(values)} layers rounded to nearest"
 
 
 def test_gptq_shares_the_rounded_exports_graphs() -> None:
@@ -175,10 +173,9 @@ def test_an_image_text_gptq_artifact_equals_transformers_on_its_stored_weights()
     hf = Idefics3ForConditionalGeneration.from_pretrained(tiny_idefics3(), dtype=torch.float32).eval()  # a private copy
     layers = hf.get_decoder().layers
     with torch.no_grad():
-        for layer in [key.removesuffix(f".{SCALE}") for key in stored if key.endswith(f".{SCALE}")]:
+        for layer, (q, scale) in stored_values(stored).items():
             index, suffix = layer.removeprefix("model.layers.").split(".", 1)
-            q = unpack_nibbles(stored[f"{layer}.weight"])
-            layers[int(index)].get_submodule(suffix).weight.copy_(dequantize(q, stored[f"{layer}.{SCALE}"]))
+            layers[int(index)].get_submodule(suffix).weight.copy_(dequantize(q, scale))
     batch = inputs(["hello the <image> what is this"], [[0]])
     want = hf.generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
     got = our_tokens(NeuronModelForImageTextToText.from_pretrained(root), batch)
