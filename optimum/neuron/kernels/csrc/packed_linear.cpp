@@ -25,9 +25,10 @@
 // and the AVX2 and AVX-512 paths are bitwise equal.
 //
 // Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block);
-// each thread walks K in blocks of 64 and, within a block, every row block (up to 8 rows on AVX-512, 6 on AVX2:
-// `max_rows`) over the group (`panel_group`), so the panel's block stays in L1 while every row uses it, and the memory
-// stream of the weights never pauses for a second row block. The first row block prefetches the panels ahead (once
+// each thread walks K in blocks (`block_k`: 64 steps for up to 2 row blocks, 576 from 3 on) and, within a block,
+// every row block (up to 8 rows on AVX-512, 6 on AVX2: `max_rows`) over the group (`panel_group`), so the panel's
+// block stays in the caches while every row uses it, and the memory stream of the weights never pauses for a second
+// row block. The first row block prefetches the panels ahead (once
 // per cache line of each panel's stream: every k step for fp32, every 4th for int8, every 8th for int4): the next K
 // block for fp32 and int8, 1 KiB ahead for int4; near a panel's end, as far into the next group's panels, which
 // follow in memory (a thread runs consecutive groups: `prefetch_ahead`).
@@ -83,7 +84,7 @@ at::Tensor gemm(const at::Tensor& x, const char* wp, int64_t panels, const float
     const Product p{xp, K, K, wp, ldw, yp, width, bp, sp, width, group, true};
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       const int64_t ld = per_tile * kPanel;
-      std::vector<float> partial(K > kBlockK ? M * ld : 0);
+      std::vector<float> partial(K > block_k<W>(blocks) ? M * ld : 0);
       for (int64_t g = begin; g < end; ++g)
         panel_group<W>(p, blocks, g * per_tile, std::min(per_tile, panels - g * per_tile), partial.data(), ld);
     });

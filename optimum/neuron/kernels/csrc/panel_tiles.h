@@ -23,7 +23,8 @@
 namespace optimum_neuron {
 namespace {
 constexpr int64_t kPanel = 16;     // output columns per panel (two 8-float vectors)
-constexpr int64_t kBlockK = 64;    // K steps per block
+constexpr int64_t kBlockK = 64;    // K steps per block (`block_k`: a few row blocks)
+constexpr int64_t kDeepBlockK = 576;  // K steps per block of a product with many row blocks (`block_k`)
 constexpr int64_t kMaxRows = 8;    // rows per tile, at most (`max_rows`)
 constexpr int64_t kMaxPanels = 4;  // panels per tile
 constexpr int64_t kLine = 64;      // bytes per cache line (one prefetch)
@@ -530,22 +531,36 @@ struct Product {
 // that, each group's first K block was read with no prefetch in flight: SmolLM2's 211 fp32 products of a decode step
 // streamed from memory took 3-4 % longer (1 and 8 rows), its 210 int4 ones 5-11 %.
 template <Kind W>
-inline int64_t prefetch_ahead(const Product& p, int64_t count, int64_t k0, bool last) {
+inline int64_t prefetch_ahead(const Product& p, int64_t count, int64_t k0, int64_t block, bool last) {
   if (W == Kind::kI4) {
     const bool past = (k0 + kBlockK) * row_bytes<W>() + kPrefetchI4 > p.ldw;
     return past ? kPrefetchI4 + (count - 1) * p.ldw : kPrefetchI4;
   }
-  return last ? count * p.ldw - k0 * row_bytes<W>() : kBlockK * row_bytes<W>();
+  return last ? count * p.ldw - k0 * row_bytes<W>() : block * row_bytes<W>();
 }
 
-// The `count` panels from panel `first` of product `p`: K in blocks of kBlockK, every row block of `blocks` over each
-// K block; ``partial`` holds M x ld floats of partial sums (ld: 16 x the widest group; used when K > kBlockK).
+// K steps per block of a product with these row blocks. Up to 2 row blocks (a decode step, a short chunk), blocks
+// of kBlockK: the weights' stream is what the product waits on, and a short block keeps the panels just read in L1
+// for the second row block and the prefetch one block ahead. From 3 row blocks on (a prefill chunk), blocks of
+// kDeepBlockK: the product is bound by its multiply-adds, and every K block costs each tile a load and a store of its
+// partial sums; SmolLM2's 210 fp32 products of a 256-row chunk (weights streamed, 2 threads, in one process) took
+// 0.90-0.95x the time of blocks of 64, 24 to 1,024 rows 0.86-0.96x, while 8 and 16 rows took 1.02-1.08x. int4 keeps
+// kBlockK: its sums run per scale group inside a K block, so its block is part of its arithmetic. fp32 and int8
+// results do not depend on the blocking (the partial sums are stored and reloaded exactly).
+template <Kind W>
+inline int64_t block_k(const RowBlocks& blocks) {
+  return W != Kind::kI4 && blocks.count >= 3 ? kDeepBlockK : kBlockK;
+}
+
+// The `count` panels from panel `first` of product `p`: K in blocks of `block_k`, every row block of `blocks` over
+// each K block; ``partial`` holds M x ld floats of partial sums (ld: 16 x the widest group; used when K is longer
+// than one block).
 template <Kind W>
 inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first, int64_t count, float* partial,
                         int64_t ld) {
-  const int64_t col = first * kPanel;
-  for (int64_t k0 = 0; k0 < p.K; k0 += kBlockK) {
-    const int64_t steps = std::min(kBlockK, p.K - k0);
+  const int64_t col = first * kPanel, block = block_k<W>(blocks);
+  for (int64_t k0 = 0; k0 < p.K; k0 += block) {
+    const int64_t steps = std::min(block, p.K - k0);
     const bool last = k0 + steps == p.K;
     for (int64_t blk = 0, m = 0; blk < blocks.count; m += blocks.rows(blk), ++blk) {
       float* sums = partial + m * ld;
@@ -553,7 +568,7 @@ inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first
                    k0 == 0 ? nullptr : sums, ld,
                    last ? p.y + m * p.ldy + col : sums, last ? p.ldy : ld,
                    last && p.bias != nullptr ? p.bias + col : nullptr,
-                   p.prefetch && blk == 0 ? prefetch_ahead<W>(p, count, k0, last) : 0,
+                   p.prefetch && blk == 0 ? prefetch_ahead<W>(p, count, k0, block, last) : 0,
                    p.scales == nullptr ? nullptr : p.scales + col, p.lds, k0, p.group};
       tile_for<W>(blocks.rows(blk), count)(t);
     }
@@ -562,7 +577,7 @@ inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first
 
 // y [M, 16 panels] (row stride ldy) = x [M, K] (row stride ldx) times fp32 panels w [panels, K, 16] (panel stride
 // ldw floats), on the calling thread, in groups of as many panels as the registers allow. ``partial`` holds M x 16
-// kMaxPanels floats of partial sums (used when K > kBlockK).
+// kMaxPanels floats of partial sums (used when K is longer than one block: `block_k`).
 inline void gemm_serial(const float* x, int64_t M, int64_t K, int64_t ldx, const float* w, int64_t panels,
                         int64_t ldw, float* y, int64_t ldy, float* partial) {
   if (M <= 0) return;
