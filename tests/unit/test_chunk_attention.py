@@ -64,6 +64,23 @@ def test_equals_sdpa_on_the_gathered_window_and_the_chunk(case: tuple) -> None:
     torch.testing.assert_close(got, reference(q, k, v, caches, table, mask), rtol=1e-5, atol=1e-6)
 
 
+def test_any_mask_pattern_is_read_bit_for_bit() -> None:
+    """The kernel reads the mask as bits per tile of 64 queries (each 64 x 64 square transposed): a random pattern over
+    the window and the causal part of a chunk of two tiles and a partial one, the window and chunk not multiples of 64,
+    equals torch's attention under the same mask."""
+    q, k, v, caches, table, _ = inputs((2, 4, 2, 16, 8, 9, 150, 72, 0, None))
+    generator = torch.Generator().manual_seed(1)
+    window, chunk = table.shape[1] * 8, q.shape[2]
+    mask = torch.rand(2, 1, chunk, window + chunk, generator=generator) < 0.3
+    mask[..., window:] &= torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    mask[..., torch.arange(chunk), window + torch.arange(chunk)] = True  # every query attends itself
+    got = chunk_attention(q, k, v, caches[0], caches[1], table, mask, 0.25)
+    k_all = torch.cat((read_blocks(caches[0], table), k), dim=2)
+    v_all = torch.cat((read_blocks(caches[1], table), v), dim=2)
+    want = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_without_a_window_only_the_chunk_is_read() -> None:
     """Context encoding: no block table, the mask over the chunk's own keys."""
     q, k, v, caches, _, _ = inputs(CASES[1])

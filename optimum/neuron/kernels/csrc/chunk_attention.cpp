@@ -8,16 +8,22 @@
 // mask rule (causality, actual tokens, sliding window). One rule the kernel relies on: query t never attends a chunk
 // key after its own (causality), so a tile of queries ending at t1 reads keys [0, W + t1) only. Output [B, Hq, C, D].
 //
+// Per call. The mask is read once as bits: for each tile of 64 queries and each key, one 64-bit word whose bit c says
+// whether query c of the tile attends the key (`mask_bits`: each 64 x 64 square of the mask taken row by row as bits,
+// then transposed); from them, which window blocks each tile attends (`live_blocks`). V^T [B, Hk, D, L] is written
+// once per call, a unit of work per (row, KV head, window block or the chunk), from the first block a tile of the row
+// attends (`values_transposed`).
+//
 // Schedule. One task per (row, query head, tile of up to 64 query tokens), split over threads. A task
 //   1. packs its queries, times the scale, as 16-query panels [D, 16] (`panel_tiles.h`);
 //   2. computes the scores S^T [keys, queries] with the panel GEMM: the rows are the keys, each window block that a
 //      query of the tile attends read in place from the cache, then the chunk's own (a block no query of the tile
 //      attends is not read: the masked bucket past a prompt's first chunk, the blocks a sliding window left behind);
 //   3. takes each query's softmax over the keys it attends (two passes over S^T: the maximum, then exp(s - max) and the
-//      total; keys the mask leaves out weigh exactly 0), writing the weights as panels [keys, 16];
-//   4. computes O^T [D, queries] = V^T [D, keys] times the weights with the same GEMM (V^T: the row's window and chunk
-//      values of its KV head, transposed once per call and shared by the head's tasks), from the first attended block
-//      on, and divides by the totals.
+//      total; keys the mask leaves out weigh exactly 0; a key's mask bits are the lanes' mask), writing the weights as
+//      panels [keys, 16];
+//   4. computes O^T [D, queries] = V^T [D, keys] times the weights with the same GEMM (V^T: shared by the KV head's
+//      tasks), from the first attended block on, and divides by the totals.
 // Both products run at the panel GEMM's rate, where torch's CPU flash attention runs its blocks through a generic
 // sgemm and a float mask; the queries of a tile share every key and value they read.
 //
@@ -29,8 +35,9 @@
 // zeros.
 //
 // Instruction sets: the panel GEMM's paths (AVX-512, AVX2 + FMA, portable); the softmax likewise (16 or 8 columns per
-// vector, the same values lane for lane; a key no column of the vector attends is skipped: exact zeros), portable C++
-// otherwise (`isa.h`).
+// vector, the same values lane for lane; a key no column of the vector attends is skipped: exact zeros); the mask's
+// rows read as bits 32 bytes at a time (AVX2); the queries' packing and the output's transposition by 16-lane gathers
+// (AVX-512); portable C++ otherwise (`isa.h`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -55,27 +62,26 @@ struct Call {
   const float* k;      // [B, Hk, C, D]
   const float* kc;     // k_cache [blocks, Hk, bs, D]
   const int64_t* table;  // [B, nb] or null
-  const uint8_t* mt;   // the mask transposed, [B, L, Cp]: mt[b, j, t] = mask[b, 0, t, j], zero for t >= C
+  const uint64_t* bits;  // the mask by tile, [B, tiles, L]: bit c of bits[b, tile, j] = mask[b, 0, 64 tile + c, j]
   const uint8_t* live;  // [B, tiles, nb]: whether a query of the tile attends a key of window block i (`live_blocks`)
   const float* vt;     // V^T [B, Hk, D, L]
   float* out;          // [B, Hq, C, D]
-  int64_t Hq, Hk, C, Cp, D, nb, bs, L;
+  int64_t Hq, Hk, C, D, nb, bs, L;
   float scale;
 };
 
 // Softmax weights of one tile: for each of the `width` (a multiple of 16) query columns of s [keys, kTile] (row stride
-// kTile), the weights over keys [0, keys) where the mask row mt (stride Cp) attends, written as panels w [width / 16,
-// keys, 16]; totals in `total` [width].
-void softmax_portable(const float* s, const uint8_t* mt, int64_t Cp, int64_t keys, int64_t width, float* w,
-                      float* total) {
+// kTile), the weights over keys [0, keys) where the tile's mask bits attend (bit c of bits[j]: column c attends key
+// j), written as panels w [width / 16, keys, 16]; totals in `total` [width].
+void softmax_portable(const float* s, const uint64_t* bits, int64_t keys, int64_t width, float* w, float* total) {
   for (int64_t c = 0; c < width; ++c) {
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < keys; ++j)
-      if (mt[j * Cp + c]) top = std::max(top, s[j * kTile + c]);
+      if ((bits[j] >> c) & 1) top = std::max(top, s[j * kTile + c]);
     float sum = 0.0f;
     float* panel = w + (c / kPanel) * keys * kPanel + c % kPanel;
     for (int64_t j = 0; j < keys; ++j) {
-      const float e = mt[j * Cp + c] ? std::exp(s[j * kTile + c] - top) : 0.0f;
+      const float e = (bits[j] >> c) & 1 ? std::exp(s[j * kTile + c] - top) : 0.0f;
       sum += e;
       panel[j * kPanel] = e;
     }
@@ -84,30 +90,32 @@ void softmax_portable(const float* s, const uint8_t* mt, int64_t Cp, int64_t key
 }
 
 #ifdef OPTIMUM_NEURON_X86
-// The same in 8-column vectors: a key's mask bytes become a lane mask; masked lanes take -inf in the maximum and
+// Key j's mask bits for columns [c, c + 8) as 8 lanes of all ones or zeros.
+__attribute__((target("avx2,fma"))) inline __m256 lanes8(uint64_t bits, int64_t c) {
+  const __m256i one_each = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i word = _mm256_set1_epi32(static_cast<int>((bits >> c) & 0xFF));
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(word, one_each), one_each));
+}
+
+// The same in 8-column vectors: a key's mask bits become a lane mask; masked lanes take -inf in the maximum and
 // weigh exactly 0 (the exp's result cleared by the lane mask).
-__attribute__((target("avx2,fma"))) void softmax_avx2(const float* s, const uint8_t* mt, int64_t Cp, int64_t keys,
+__attribute__((target("avx2,fma"))) void softmax_avx2(const float* s, const uint64_t* bits, int64_t keys,
                                                       int64_t width, float* w, float* total) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t c = 0; c < width; c += 8) {
     __m256 top = ninf;
-    for (int64_t j = 0; j < keys; ++j) {
-      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mt + j * Cp + c)));
-      const __m256 on = _mm256_castsi256_ps(_mm256_cmpgt_epi32(bytes, _mm256_setzero_si256()));
-      top = _mm256_max_ps(top, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + j * kTile + c), on));
-    }
+    for (int64_t j = 0; j < keys; ++j)
+      top = _mm256_max_ps(top, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + j * kTile + c), lanes8(bits[j], c)));
     // a column that attends nothing: top stays -inf; subtract 0 instead (its weights are cleared anyway)
     const __m256 base = _mm256_blendv_ps(top, _mm256_setzero_ps(), _mm256_cmp_ps(top, ninf, _CMP_EQ_OQ));
     __m256 sum = _mm256_setzero_ps();
     float* panel = w + (c / kPanel) * keys * kPanel + c % kPanel;
     for (int64_t j = 0; j < keys; ++j) {
-      const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mt + j * Cp + c)));
-      const __m256 on = _mm256_castsi256_ps(_mm256_cmpgt_epi32(bytes, _mm256_setzero_si256()));
-      if (_mm256_movemask_ps(on) == 0) {  // a key no column attends (past the causal end, masked blocks): exact zeros
+      if (((bits[j] >> c) & 0xFF) == 0) {  // a key no column attends (past the causal end, masked blocks): exact zeros
         _mm256_storeu_ps(panel + j * kPanel, _mm256_setzero_ps());
         continue;
       }
-      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j * kTile + c), base)), on);
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j * kTile + c), base)), lanes8(bits[j], c));
       sum = _mm256_add_ps(sum, e);
       _mm256_storeu_ps(panel + j * kPanel, e);
     }
@@ -115,26 +123,20 @@ __attribute__((target("avx2,fma"))) void softmax_avx2(const float* s, const uint
   }
 }
 
-// Key j's mask bytes for columns [c, c + 16) as a lane mask.
-__attribute__((target("avx512f"))) inline __mmask16 lanes16(const uint8_t* mt, int64_t Cp, int64_t j, int64_t c) {
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mt + j * Cp + c)));
-  return _mm512_cmpgt_epi32_mask(bytes, _mm512_setzero_si512());
-}
-
-// The AVX-512 twin: 16 columns per vector, a key's mask bytes as a 16-bit lane mask (the same values lane for lane).
-__attribute__((target("avx512f"))) void softmax_avx512(const float* s, const uint8_t* mt, int64_t Cp, int64_t keys,
+// The AVX-512 twin: 16 columns per vector, a key's mask bits as its 16-bit lane mask (the same values lane for lane).
+__attribute__((target("avx512f"))) void softmax_avx512(const float* s, const uint64_t* bits, int64_t keys,
                                                        int64_t width, float* w, float* total) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), zero = _mm512_setzero_ps();
   for (int64_t c = 0; c < width; c += kPanel) {
     __m512 top = ninf;
     for (int64_t j = 0; j < keys; ++j) {
-      top = _mm512_mask_max_ps(top, lanes16(mt, Cp, j, c), top, _mm512_loadu_ps(s + j * kTile + c));
+      top = _mm512_mask_max_ps(top, static_cast<__mmask16>(bits[j] >> c), top, _mm512_loadu_ps(s + j * kTile + c));
     }
     const __m512 base = _mm512_mask_mov_ps(top, _mm512_cmp_ps_mask(top, ninf, _CMP_EQ_OQ), zero);
     __m512 sum = zero;
     float* panel = w + (c / kPanel) * keys * kPanel;
     for (int64_t j = 0; j < keys; ++j) {
-      const __mmask16 on = lanes16(mt, Cp, j, c);
+      const __mmask16 on = static_cast<__mmask16>(bits[j] >> c);
       const __m512 e =
           on == 0 ? zero : _mm512_maskz_mov_ps(on, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j * kTile + c), base)));
       sum = _mm512_add_ps(sum, e);
@@ -145,13 +147,12 @@ __attribute__((target("avx512f"))) void softmax_avx512(const float* s, const uin
 }
 #endif
 
-void softmax_tile(const float* s, const uint8_t* mt, int64_t Cp, int64_t keys, int64_t width, float* w,
-                  float* total) {
+void softmax_tile(const float* s, const uint64_t* bits, int64_t keys, int64_t width, float* w, float* total) {
 #ifdef OPTIMUM_NEURON_X86
-  if (isa() == Isa::kAvx512) return softmax_avx512(s, mt, Cp, keys, width, w, total);
-  if (isa() != Isa::kPortable) return softmax_avx2(s, mt, Cp, keys, width, w, total);
+  if (isa() == Isa::kAvx512) return softmax_avx512(s, bits, keys, width, w, total);
+  if (isa() != Isa::kPortable) return softmax_avx2(s, bits, keys, width, w, total);
 #endif
-  softmax_portable(s, mt, Cp, keys, width, w, total);
+  softmax_portable(s, bits, keys, width, w, total);
 }
 
 // Scratch of one thread, sized for the call's largest tile.
@@ -163,23 +164,176 @@ struct Scratch {
         partial(std::max({c.bs, c.C, c.D}) * kTile) {}
 };
 
-// For each row and tile of queries, which window blocks a query of the tile attends: live[(b * tiles + tile) * nb + i].
-std::vector<uint8_t> live_blocks(const uint8_t* mt, int64_t B, int64_t L, int64_t Cp, int64_t nb, int64_t bs) {
-  const int64_t tiles = Cp / kTile;
-  std::vector<uint8_t> live(B * tiles * nb, 0);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t j = 0; j < nb * bs; ++j) {
-      const uint8_t* row = mt + (b * L + j) * Cp;
-      for (int64_t tile = 0; tile < tiles; ++tile) {
-        uint64_t any = 0, word;
-        for (int64_t w = 0; w < kTile; w += 8) {
-          std::memcpy(&word, row + tile * kTile + w, 8);
-          any |= word;
-        }
-        if (any != 0) live[(b * tiles + tile) * nb + j / bs] = 1;
+// A 64 x 64 bit matrix transposed in place: bit c of a[r] becomes bit r of a[c] (six rounds, each swapping the
+// off-diagonal quarters of every block of 2j x 2j bits).
+inline void transpose64(uint64_t* a) {
+  uint64_t m = 0x00000000FFFFFFFFULL;
+  for (int j = 32; j != 0; j >>= 1, m ^= m << j) {
+    for (int k = 0; k < 64; k = ((k | j) + 1) & ~j) {
+      const uint64_t t = ((a[k] >> j) ^ a[k | j]) & m;
+      a[k] ^= t << j;
+      a[k | j] ^= t;
+    }
+  }
+}
+
+// Bit j of the 64 mask bytes row[0, n) (n <= 64): whether the byte is non-zero; bits from n on are zero.
+uint64_t row_bits_portable(const uint8_t* row, int64_t n) {
+  uint64_t word = 0;
+  for (int64_t j = 0; j < n; ++j) word |= static_cast<uint64_t>(row[j] != 0) << j;
+  return word;
+}
+
+#ifdef OPTIMUM_NEURON_X86
+__attribute__((target("avx2"))) uint64_t row_bits_avx2(const uint8_t* row, int64_t n) {
+  if (n < 64) return row_bits_portable(row, n);
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32));
+  const uint32_t zero_lo = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(lo, zero)));
+  const uint32_t zero_hi = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(hi, zero)));
+  return ~(static_cast<uint64_t>(zero_hi) << 32 | zero_lo);
+}
+#endif
+
+uint64_t row_bits(const uint8_t* row, int64_t n) {
+#ifdef OPTIMUM_NEURON_X86
+  if (isa() != Isa::kPortable) return row_bits_avx2(row, n);
+#endif
+  return row_bits_portable(row, n);
+}
+
+// The mask [B, C, L] bytes by tile of 64 queries: bits[(b * tiles + tile) * L + j], bit c = whether query 64 tile + c
+// attends key j (zero for queries past C). Each 64 x 64 square of the mask is read row by row as bits, then
+// transposed, in place of a byte transpose of the whole mask per call.
+std::vector<uint64_t> mask_bits(const uint8_t* mask, int64_t B, int64_t C, int64_t L) {
+  const int64_t tiles = (C + kTile - 1) / kTile, squares = (L + 63) / 64;
+  std::vector<uint64_t> bits(B * tiles * L);
+  at::parallel_for(0, B * tiles * squares, 1, [&](int64_t begin, int64_t end) {
+    uint64_t a[64];
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = unit / (tiles * squares), tile = unit / squares % tiles, j0 = unit % squares * 64;
+      const int64_t n = std::min<int64_t>(64, L - j0);
+      for (int64_t c = 0; c < 64; ++c) {
+        const int64_t t = tile * kTile + c;
+        a[c] = t < C ? row_bits(mask + (b * C + t) * L + j0, n) : 0;
       }
+      transpose64(a);
+      std::memcpy(bits.data() + (b * tiles + tile) * L + j0, a, n * sizeof(uint64_t));
+    }
+  });
+  return bits;
+}
+
+// For each row and tile of queries, which window blocks a query of the tile attends: live[(b * tiles + tile) * nb + i].
+std::vector<uint8_t> live_blocks(const uint64_t* bits, int64_t B, int64_t tiles, int64_t L, int64_t nb, int64_t bs) {
+  std::vector<uint8_t> live(B * tiles * nb, 0);
+  for (int64_t bt = 0; bt < B * tiles; ++bt)
+    for (int64_t i = 0; i < nb; ++i) {
+      uint64_t any = 0;
+      for (int64_t j = i * bs; j < (i + 1) * bs; ++j) any |= bits[bt * L + j];
+      live[bt * nb + i] = any != 0;
     }
   return live;
+}
+
+// rows [n, D] (row stride D) transposed into dst [D, n] (row stride L), 16 rows at a time.
+void transpose_rows(const float* rows, int64_t n, int64_t D, float* dst, int64_t L) {
+  for (int64_t r0 = 0; r0 < n; r0 += 16) {
+    const int64_t r1 = std::min(n, r0 + 16);
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t r = r0; r < r1; ++r) dst[d * L + r] = rows[r * D + d];
+  }
+}
+
+// V^T [B, Hk, D, L]: each row's window blocks from `from[b]` on (the blocks before it are never read: `run_task` reads
+// from a tile's first attended block) and the chunk's own values. One unit of work per (row, KV head, block or chunk).
+at::Tensor values_transposed(const float* vcache, const float* vchunk, const int64_t* table,
+                             const std::vector<int64_t>& from, int64_t B, int64_t Hk, int64_t C, int64_t D, int64_t nb,
+                             int64_t bs, int64_t L, const at::TensorOptions& options) {
+  at::Tensor vt = at::empty({B, Hk, D, L}, options);
+  float* vtp = vt.data_ptr<float>();
+  at::parallel_for(0, B * Hk * (nb + 1), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t bh = unit / (nb + 1), i = unit % (nb + 1), b = bh / Hk, head = bh % Hk;
+      float* dst = vtp + bh * D * L;
+      if (i == nb) {
+        transpose_rows(vchunk + bh * C * D, C, D, dst + nb * bs, L);
+      } else if (i >= from[b]) {
+        transpose_rows(vcache + ((table[b * nb + i] * Hk + head) * bs) * D, bs, D, dst + i * bs, L);
+      }
+    }
+  });
+  return vt;
+}
+
+// The tile's `cols` queries q [cols, D] (row stride D) times the scale as panels [D, 16] (zero past `cols`).
+void pack_queries_portable(const float* q, int64_t cols, int64_t panels, int64_t D, float scale, float* dst) {
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t j = 0; j < kPanel; ++j) {
+        const int64_t col = p * kPanel + j;
+        dst[(p * D + d) * kPanel + j] = col < cols ? q[col * D + d] * scale : 0.0f;
+      }
+}
+
+// out [cols, D] (row stride D) = O^T [D, cols] (row stride kTile) divided by each column's total (zeros where a query
+// attends no key).
+void write_output_portable(const float* o, const float* total, int64_t cols, int64_t D, float* out) {
+  for (int64_t col = 0; col < cols; ++col) {
+    const float t = total[col];
+    for (int64_t d = 0; d < D; ++d) out[col * D + d] = t > 0.0f ? o[d * kTile + col] / t : 0.0f;
+  }
+}
+
+#ifdef OPTIMUM_NEURON_X86
+// The same two with 16-lane gathers (the same products and quotients, so the same values).
+__attribute__((target("avx512f"))) void pack_queries_avx512(const float* q, int64_t cols, int64_t panels, int64_t D,
+                                                            float scale, float* dst) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(D)));
+  const __m512 times = _mm512_set1_ps(scale);
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t left = cols - p * kPanel;
+    const __mmask16 in = left >= kPanel ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, rows, q + p * kPanel * D + d, 4);
+      _mm512_storeu_ps(dst + (p * D + d) * kPanel, _mm512_maskz_mul_ps(in, x, times));
+    }
+  }
+}
+
+__attribute__((target("avx512f"))) void write_output_avx512(const float* o, const float* total, int64_t cols,
+                                                            int64_t D, float* out) {
+  const __m512i rows =
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kTile));
+  for (int64_t col = 0; col < cols; ++col) {
+    const float t = total[col];
+    if (!(t > 0.0f) || D % kPanel != 0) {
+      write_output_portable(o + col, total + col, 1, D, out + col * D);
+      continue;
+    }
+    const __m512 by = _mm512_set1_ps(t);
+    for (int64_t d = 0; d < D; d += kPanel) {
+      const __m512 x = _mm512_i32gather_ps(rows, o + d * kTile + col, 4);
+      _mm512_storeu_ps(out + col * D + d, _mm512_div_ps(x, by));
+    }
+  }
+}
+#endif
+
+void pack_queries(const float* q, int64_t cols, int64_t panels, int64_t D, float scale, float* dst) {
+#ifdef OPTIMUM_NEURON_X86
+  if (isa() == Isa::kAvx512) return pack_queries_avx512(q, cols, panels, D, scale, dst);
+#endif
+  pack_queries_portable(q, cols, panels, D, scale, dst);
+}
+
+void write_output(const float* o, const float* total, int64_t cols, int64_t D, float* out) {
+#ifdef OPTIMUM_NEURON_X86
+  if (isa() == Isa::kAvx512) return write_output_avx512(o, total, cols, D, out);
+#endif
+  write_output_portable(o, total, cols, D, out);
 }
 
 void run_task(const Call& c, int64_t task, Scratch& z) {
@@ -191,13 +345,7 @@ void run_task(const Call& c, int64_t task, Scratch& z) {
   // keys [k0, W + t0 + cols): the window from its first attended block, then the chunk up to the tile's end
   const int64_t head = h / (c.Hq / c.Hk), W = c.nb * c.bs, k0 = first * c.bs, keys = W + t0 + cols - k0;
   // 1. queries times the scale, as panels [D, 16] (zero past the chunk's end)
-  const float* q = c.q + ((b * c.Hq + h) * c.C + t0) * c.D;
-  for (int64_t p = 0; p < panels; ++p)
-    for (int64_t d = 0; d < c.D; ++d)
-      for (int64_t j = 0; j < kPanel; ++j) {
-        const int64_t col = p * kPanel + j;
-        z.q[(p * c.D + d) * kPanel + j] = col < cols ? q[col * c.D + d] * c.scale : 0.0f;
-      }
+  pack_queries(c.q + ((b * c.Hq + h) * c.C + t0) * c.D, cols, panels, c.D, c.scale, z.q.data());
   // 2. scores S^T [keys, width]: each attended window block in place (the scores of a block no query attends stay
   // unset: the softmax never reads a masked key's score), then the chunk's keys up to the tile's end
   for (int64_t i = first; i < c.nb; ++i) {
@@ -209,15 +357,11 @@ void run_task(const Call& c, int64_t task, Scratch& z) {
   gemm_serial(c.k + ((b * c.Hk + head) * c.C) * c.D, t0 + cols, c.D, c.D, z.q.data(), panels, c.D * kPanel,
               z.s.data() + (W - k0) * kTile, kTile, z.partial.data());
   // 3. softmax weights as panels [keys, 16]
-  softmax_tile(z.s.data(), c.mt + (b * c.L + k0) * c.Cp + t0, c.Cp, keys, width, z.w.data(), z.total);
+  softmax_tile(z.s.data(), c.bits + (b * tiles + tile) * c.L + k0, keys, width, z.w.data(), z.total);
   // 4. O^T [D, width] = V^T [D, keys] times the weights; out = O / total
   gemm_serial(c.vt + (b * c.Hk + head) * c.D * c.L + k0, c.D, keys, c.L, z.w.data(), panels, keys * kPanel,
               z.o.data(), kTile, z.partial.data());
-  float* out = c.out + ((b * c.Hq + h) * c.C + t0) * c.D;
-  for (int64_t col = 0; col < cols; ++col) {
-    const float total = z.total[col];
-    for (int64_t d = 0; d < c.D; ++d) out[col * c.D + d] = total > 0.0f ? z.o[d * kTile + col] / total : 0.0f;
-  }
+  write_output(z.o.data(), z.total, cols, c.D, c.out + ((b * c.Hq + h) * c.C + t0) * c.D);
 }
 
 at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
@@ -254,37 +398,24 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     TORCH_CHECK(low >= 0 && high < blocks, "chunk_attention: block_table names blocks [", low, ", ", high,
                 "] of a cache of ", blocks);
   }
-  const int64_t Cp = (C + kTile - 1) / kTile * kTile;
-  // the mask transposed to [B, L, Cp] bytes (queries past C: zero), and V^T [B, Hk, D, L]
-  at::Tensor mt = at::zeros({B, L, Cp}, at::kByte);
-  mt.narrow(2, 0, C).copy_(mask.select(1, 0).transpose(1, 2));
-  at::Tensor vt = at::empty({B, Hk, D, L}, q.options());
-  {
-    const float* vcache = v_cache.data_ptr<float>();
-    const float* vchunk = vc.data_ptr<float>();
-    const int64_t* tp = windowed ? table.data_ptr<int64_t>() : nullptr;
-    float* vtp = vt.data_ptr<float>();
-    at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t b = bh / Hk, head = bh % Hk;
-        float* dst = vtp + bh * D * L;
-        for (int64_t i = 0; i < nb; ++i) {
-          const float* rows = vcache + ((tp[b * nb + i] * Hk + head) * bs) * D;
-          for (int64_t d = 0; d < D; ++d)
-            for (int64_t r = 0; r < bs; ++r) dst[d * L + i * bs + r] = rows[r * D + d];
-        }
-        const float* rows = vchunk + bh * C * D;
-        for (int64_t d = 0; d < D; ++d)
-          for (int64_t t = 0; t < C; ++t) dst[d * L + nb * bs + t] = rows[t * D + d];
-      }
-    });
-  }
   at::Tensor out = at::empty({B, Hq, C, D}, q.options());
   if (B == 0 || C == 0 || Hq == 0) return out;
-  const std::vector<uint8_t> live = live_blocks(mt.data_ptr<uint8_t>(), B, L, Cp, nb, bs);
+  const int64_t tiles = (C + kTile - 1) / kTile;
+  const at::Tensor mc = mask.contiguous();
+  const std::vector<uint64_t> bits = mask_bits(reinterpret_cast<const uint8_t*>(mc.data_ptr<bool>()), B, C, L);
+  const std::vector<uint8_t> live = live_blocks(bits.data(), B, tiles, L, nb, bs);
+  std::vector<int64_t> from(B, nb);  // each row's first window block a tile of it attends (nb: none)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const uint8_t* row = live.data() + (b * tiles + tile) * nb;
+      from[b] = std::min<int64_t>(from[b], std::find(row, row + nb, 1) - row);
+    }
+  const at::Tensor vt = values_transposed(v_cache.data_ptr<float>(), vc.data_ptr<float>(),
+                                          windowed ? table.data_ptr<int64_t>() : nullptr, from, B, Hk, C, D, nb, bs,
+                                          L, q.options());
   const Call call{qc.data_ptr<float>(), kc.data_ptr<float>(), k_cache.data_ptr<float>(),
-                  windowed ? table.data_ptr<int64_t>() : nullptr, mt.data_ptr<uint8_t>(), live.data(),
-                  vt.data_ptr<float>(), out.data_ptr<float>(), Hq, Hk, C, Cp, D, nb, bs, L, static_cast<float>(scale)};
+                  windowed ? table.data_ptr<int64_t>() : nullptr, bits.data(), live.data(),
+                  vt.data_ptr<float>(), out.data_ptr<float>(), Hq, Hk, C, D, nb, bs, L, static_cast<float>(scale)};
   const int64_t tasks = B * Hq * ((C + kTile - 1) / kTile);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(call);
