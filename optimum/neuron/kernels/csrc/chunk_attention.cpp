@@ -18,7 +18,9 @@
 //   1. packs its queries, times the scale, as 16-query panels [D, 16] (`panel_tiles.h`);
 //   2. computes the scores S^T [keys, queries] with the panel GEMM: the rows are the keys, each window block that a
 //      query of the tile attends read in place from the cache, then the chunk's own (a block no query of the tile
-//      attends is not read: the masked bucket past a prompt's first chunk, the blocks a sliding window left behind);
+//      attends is not read: the masked bucket past a prompt's first chunk, the blocks a sliding window left behind;
+//      the tile's own keys go 16 at a time to the panels of the queries at or after them, the only ones causality
+//      lets attend them);
 //   3. takes each query's softmax over the keys it attends (two passes over S^T: the maximum, then exp(s - max) and the
 //      total; keys the mask leaves out weigh exactly 0; a key's mask bits are the lanes' mask), writing the weights as
 //      panels [keys, 16];
@@ -354,8 +356,16 @@ void run_task(const Call& c, int64_t task, Scratch& z) {
     gemm_serial(rows, c.bs, c.D, c.D, z.q.data(), panels, c.D * kPanel, z.s.data() + (i * c.bs - k0) * kTile, kTile,
                 z.partial.data());
   }
-  gemm_serial(c.k + ((b * c.Hk + head) * c.C) * c.D, t0 + cols, c.D, c.D, z.q.data(), panels, c.D * kPanel,
-              z.s.data() + (W - k0) * kTile, kTile, z.partial.data());
+  // the chunk's keys before the tile for every query, then the tile's own keys 16 at a time, each group for the
+  // panels whose queries may attend it (causality: panel p's queries attend chunk keys up to t0 + 16 p + 15)
+  const float* own = c.k + ((b * c.Hk + head) * c.C) * c.D;
+  float* scores = z.s.data() + (W - k0) * kTile;
+  gemm_serial(own, t0, c.D, c.D, z.q.data(), panels, c.D * kPanel, scores, kTile, z.partial.data());
+  for (int64_t g = 0; g < panels; ++g) {
+    const int64_t r0 = t0 + g * kPanel, rows = std::min(kPanel, t0 + cols - r0);
+    gemm_serial(own + r0 * c.D, rows, c.D, c.D, z.q.data() + g * c.D * kPanel, panels - g, c.D * kPanel,
+                scores + r0 * kTile + g * kPanel, kTile, z.partial.data());
+  }
   // 3. softmax weights as panels [keys, 16]
   softmax_tile(z.s.data(), c.bits + (b * tiles + tile) * c.L + k0, keys, width, z.w.data(), z.total);
   // 4. O^T [D, width] = V^T [D, keys] times the weights; out = O / total
