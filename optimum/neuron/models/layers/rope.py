@@ -55,6 +55,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     dims = cos.shape[-1]
     if dims < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :dims], cos, sin), x[..., dims:]), dim=-1)
+    # x * cos + rotate_half(x) * sin, one half at a time: the same products and sums (rotate_half's negation is exact),
+    # without a rotated copy of x for the compiled graph to write and read back
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    first = x1 * cos[..., :half] - x2 * sin[..., :half]
+    second = x2 * cos[..., half:] + x1 * sin[..., half:]
+    return torch.cat((first, second), dim=-1)
