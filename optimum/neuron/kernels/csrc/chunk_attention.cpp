@@ -66,6 +66,7 @@ struct Call {
   const int64_t* table;  // [B, nb] or null
   const uint64_t* bits;  // the mask by tile, [B, tiles, L]: bit c of bits[b, tile, j] = mask[b, 0, 64 tile + c, j]
   const uint8_t* live;  // [B, tiles, nb]: whether a query of the tile attends a key of window block i (`live_blocks`)
+  const int64_t* first;  // [B, tiles]: the first window block a query of the tile attends (nb: none)
   const float* vt;     // V^T [B, Hk, D, L]
   float* out;          // [B, Hq, C, D]
   int64_t Hq, Hk, C, D, nb, bs, L;
@@ -239,6 +240,16 @@ std::vector<uint8_t> live_blocks(const uint64_t* bits, int64_t B, int64_t tiles,
   return live;
 }
 
+// For each of the `count` (row, tile) pairs, the first window block `live` marks (nb: none).
+std::vector<int64_t> first_blocks(const std::vector<uint8_t>& live, int64_t count, int64_t nb) {
+  std::vector<int64_t> first(count);
+  for (int64_t bt = 0; bt < count; ++bt) {
+    const uint8_t* row = live.data() + bt * nb;
+    first[bt] = std::find(row, row + nb, 1) - row;
+  }
+  return first;
+}
+
 // rows [n, D] (row stride D) transposed into dst [D, n] (row stride L), 16 rows at a time.
 void transpose_rows(const float* rows, int64_t n, int64_t D, float* dst, int64_t L) {
   for (int64_t r0 = 0; r0 < n; r0 += 16) {
@@ -289,7 +300,8 @@ void write_output_portable(const float* o, const float* total, int64_t cols, int
 }
 
 #ifdef OPTIMUM_NEURON_X86
-// The same two with 16-lane gathers (the same products and quotients, so the same values).
+// The same two with 16-lane gathers (the same products and quotients, so the same values); the output's for D a
+// multiple of 16.
 __attribute__((target("avx512f"))) void pack_queries_avx512(const float* q, int64_t cols, int64_t panels, int64_t D,
                                                             float scale, float* dst) {
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -311,7 +323,7 @@ __attribute__((target("avx512f"))) void write_output_avx512(const float* o, cons
       _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kTile));
   for (int64_t col = 0; col < cols; ++col) {
     const float t = total[col];
-    if (!(t > 0.0f) || D % kPanel != 0) {
+    if (!(t > 0.0f)) {
       write_output_portable(o + col, total + col, 1, D, out + col * D);
       continue;
     }
@@ -333,7 +345,7 @@ void pack_queries(const float* q, int64_t cols, int64_t panels, int64_t D, float
 
 void write_output(const float* o, const float* total, int64_t cols, int64_t D, float* out) {
 #ifdef OPTIMUM_NEURON_X86
-  if (isa() == Isa::kAvx512) return write_output_avx512(o, total, cols, D, out);
+  if (isa() == Isa::kAvx512 && D % kPanel == 0) return write_output_avx512(o, total, cols, D, out);
 #endif
   write_output_portable(o, total, cols, D, out);
 }
@@ -343,7 +355,7 @@ void run_task(const Call& c, int64_t task, Scratch& z) {
   const int64_t b = task / (c.Hq * tiles), h = (task / tiles) % c.Hq, tile = task % tiles, t0 = tile * kTile;
   const int64_t cols = std::min(kTile, c.C - t0), panels = (cols + kPanel - 1) / kPanel, width = panels * kPanel;
   const uint8_t* live = c.live + (b * tiles + tile) * c.nb;
-  const int64_t first = std::find(live, live + c.nb, 1) - live;  // the first attended window block (nb: none)
+  const int64_t first = c.first[b * tiles + tile];
   // keys [k0, W + t0 + cols): the window from its first attended block, then the chunk up to the tile's end
   const int64_t head = h / (c.Hq / c.Hk), W = c.nb * c.bs, k0 = first * c.bs, keys = W + t0 + cols - k0;
   // 1. queries times the scale, as panels [D, 16] (zero past the chunk's end)
@@ -414,17 +426,15 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const at::Tensor mc = mask.contiguous();
   const std::vector<uint64_t> bits = mask_bits(reinterpret_cast<const uint8_t*>(mc.data_ptr<bool>()), B, C, L);
   const std::vector<uint8_t> live = live_blocks(bits.data(), B, tiles, L, nb, bs);
-  std::vector<int64_t> from(B, nb);  // each row's first window block a tile of it attends (nb: none)
+  const std::vector<int64_t> first = first_blocks(live, B * tiles, nb);
+  std::vector<int64_t> from(B);  // each row's first window block a tile of it attends (nb: none)
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      const uint8_t* row = live.data() + (b * tiles + tile) * nb;
-      from[b] = std::min<int64_t>(from[b], std::find(row, row + nb, 1) - row);
-    }
+    from[b] = *std::min_element(first.begin() + b * tiles, first.begin() + (b + 1) * tiles);
   const at::Tensor vt = values_transposed(v_cache.data_ptr<float>(), vc.data_ptr<float>(),
                                           windowed ? table.data_ptr<int64_t>() : nullptr, from, B, Hk, C, D, nb, bs,
                                           L, q.options());
   const Call call{qc.data_ptr<float>(), kc.data_ptr<float>(), k_cache.data_ptr<float>(),
-                  windowed ? table.data_ptr<int64_t>() : nullptr, bits.data(), live.data(),
+                  windowed ? table.data_ptr<int64_t>() : nullptr, bits.data(), live.data(), first.data(),
                   vt.data_ptr<float>(), out.data_ptr<float>(), Hq, Hk, C, D, nb, bs, L, static_cast<float>(scale)};
   const int64_t tasks = B * Hq * ((C + kTile - 1) / kTile);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
