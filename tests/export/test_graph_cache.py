@@ -258,7 +258,7 @@ def _children(pid: int) -> list[int]:
     for path in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
             children.extend(int(child) for child in path.read_text().split())
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             continue
     return children
 
@@ -267,7 +267,7 @@ def _command(pid: int) -> str:
     """Process ``pid``'s command line (empty once it is gone)."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or during the read (ESRCH)
         return ""
 
 
@@ -275,7 +275,7 @@ def _running(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 
