@@ -80,6 +80,66 @@ def test_threads_do_not_change_a_result() -> None:
     assert torch.equal(alone, packed.packed_linear(x, table, None, 300))
 
 
+@pytest.mark.parametrize("rows", [0, 1, 8, 9, 64, 300])
+@pytest.mark.parametrize("outs", [[576, 192, 192], [1536, 1536], [20, 33, 16], [5]])
+def test_cat_is_bitwise_the_separate_products(rows: int, outs: list[int]) -> None:
+    """packed_linear_cat: the weights' outputs side by side, each bitwise what packed_linear gives it alone (ragged
+    panels, no row at all, decode and prefill row counts), and its shape function agrees."""
+    torch.manual_seed(rows)
+    inp = 200
+    x = torch.randn(2, rows, inp)
+    tables = [packed.pack(torch.randn(out, inp)) for out in outs]
+    got = packed.packed_linear_cat(x, tables, outs)
+    alone = [packed.packed_linear(x, t, None, out) for t, out in zip(tables, outs, strict=True)]
+    assert torch.equal(got, torch.cat(alone, -1))
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = packed.packed_linear_cat(mode.from_tensor(x), [mode.from_tensor(t) for t in tables], outs)
+    assert fake.shape == got.shape
+
+
+CAT_BAD = [
+    (lambda t: packed.packed_linear_cat(torch.randn(2, 8), [t, t], [20]), "one output size per weight"),
+    (lambda t: packed.packed_linear_cat(torch.randn(2, 8), [], []), "at least one"),
+    (lambda t: packed.packed_linear_cat(torch.randn(2, 8), [t, t[:, :7].contiguous()], [20, 20]), "features"),
+    (lambda t: packed.packed_linear_cat(torch.randn(2, 8), [t, t.double()], [20, 20]), "float32"),
+    (lambda t: packed.packed_linear_cat(torch.randn(2, 8), [t, t], [20, 40]), "output features"),
+]
+
+
+@pytest.mark.parametrize(("call", "message"), CAT_BAD, ids=[m for _, m in CAT_BAD])
+def test_cat_refuses_mismatched_weights(call, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match=message):
+        call(packed.pack(torch.randn(20, 8)))
+
+
+def test_project_fuses_exactly_plain_packed_layers() -> None:
+    """`project` gives bitwise what each layer gives alone, whether it fuses (plain packed layers, with biases or
+    not, or some of each) or not (a layer in torch's layout among them)."""
+    from optimum.neuron.models.layers.packed_linear import project
+
+    torch.manual_seed(3)
+    x = torch.randn(1, 5, 64)
+
+    def packed_layer(out: int, bias: bool) -> nn.Module:
+        layer = nn.Linear(64, out, bias=bias)
+        twin = nn.Linear(64, out, bias=bias)
+        twin.load_state_dict(layer.state_dict())
+        twin.__class__ = PackedLinear
+        twin.weight = nn.Parameter(packed.pack(layer.weight.detach()), requires_grad=False)
+        return twin
+
+    for layers in (
+        [packed_layer(48, False), packed_layer(16, False)],
+        [packed_layer(48, True), packed_layer(20, True)],
+        [packed_layer(48, True), packed_layer(16, False)],
+        [packed_layer(48, False), nn.Linear(64, 16)],
+    ):
+        got = project(x, *layers)
+        assert len(got) == len(layers)
+        for out, layer in zip(got, layers, strict=True):
+            assert torch.equal(out, layer(x))
+
+
 BAD = [
     (lambda t: packed.packed_linear(torch.randn(2, 8, dtype=torch.float64), t, None, 20), "float32"),
     (lambda t: packed.packed_linear(torch.randn(2, 7), t, None, 20), "features"),

@@ -32,6 +32,7 @@ PANEL = 16
 """Output columns per panel."""
 OPERATOR = "optimum_neuron::packed_linear"
 QOPERATOR = "optimum_neuron::packed_qlinear"
+CAT_OPERATOR = "optimum_neuron::packed_linear_cat"
 
 torch.library.define(
     OPERATOR, "(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor", tags=(torch.Tag.flexible_layout,)
@@ -50,6 +51,26 @@ def _output_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ W^T + bias`` for ``weight = pack(W)``: ``x [..., K]`` -> ``[..., out_features]``."""
     return torch.ops.optimum_neuron.packed_linear(x, weight, bias, out_features)
+
+
+torch.library.define(
+    CAT_OPERATOR, "(Tensor x, Tensor[] weights, int[] out_features) -> Tensor", tags=(torch.Tag.flexible_layout,)
+)
+"""Several packed weights on the same ``x``, their outputs side by side. No bias: a caller adds it after, bitwise
+what packed_linear's kernel does (one fp32 add to the finished sum). (An empty or optional ``Tensor[]`` of biases is
+not an option: AOTInductor's proxy executor passed an empty list as None, and the call failed in the graph.)"""
+
+
+@torch.library.register_fake(CAT_OPERATOR)
+def _cat_output_shape(x: torch.Tensor, weights: list[torch.Tensor], out_features: list[int]) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(out_features)))
+
+
+def packed_linear_cat(x: torch.Tensor, weights: list[torch.Tensor], out_features: list[int]) -> torch.Tensor:
+    """``cat([x @ W_i^T for each i], -1)`` for ``weights[i] = pack(W_i)``, in one call: the threads share one parallel
+    region over every weight's panels, where separate calls pay a fork and a barrier each. Each output is bitwise
+    ``packed_linear(x, weights[i], None, out_features[i])``."""
+    return torch.ops.optimum_neuron.packed_linear_cat(x, weights, out_features)
 
 
 torch.library.define(

@@ -24,7 +24,8 @@
 // then times the scale into the output, no multiply per weight. Either way a row's result depends on that row only,
 // and the AVX2 and AVX-512 paths are bitwise equal.
 //
-// Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block);
+// Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block;
+// packed_linear_cat: the groups of every weight of the call, in one parallel region);
 // each thread walks K in blocks (`block_k`: 64 steps for up to 2 row blocks, 576 from 3 on) and, within a block,
 // every row block (up to 8 rows on AVX-512, 6 on AVX2: `max_rows`) over the group (`panel_group`), so the panel's
 // block stays in the caches while every row uses it, and the memory stream of the weights never pauses for a second
@@ -63,48 +64,119 @@ void check_x_and_bias(const char* op, const at::Tensor& x, int64_t k, const c10:
   }
 }
 
-// y [M, n] = x [M, K] @ W^T + bias for a packed weight of kind W: `wp` the first panel, `ldw` the panel stride in
-// bytes; for the quantized kinds `sp` the scales [K / group, panels * 16].
+// One packed weight of kind W among a call's products: `w` its first panel, `bias` padded to its panels (undefined:
+// none), `scales` [K / group, panels * 16] for the quantized kinds, `n` its output features.
+struct Part {
+  const char* w;
+  int64_t panels;
+  at::Tensor bias;
+  const float* scales;
+  int64_t n;
+};
+
+// `count` panels of part `part` from panel `first`: one thread's unit of work.
+struct Group {
+  size_t part;
+  int64_t first, count;
+};
+
+// The groups of panels the threads share: every part cut into groups of `per_tile` panels (its last one shorter).
+std::vector<Group> groups_of(const std::vector<Part>& parts, int64_t per_tile) {
+  std::vector<Group> groups;
+  for (size_t i = 0; i < parts.size(); ++i)
+    for (int64_t first = 0; first < parts[i].panels; first += per_tile)
+      groups.push_back({i, first, std::min(per_tile, parts[i].panels - first)});
+  return groups;
+}
+
+// y [M, sum n] = x [M, K] times every part's packed weight (+ its bias), the parts' outputs side by side in their
+// order. One parallel region runs the panel groups of every part, so a layer's projections that read the same x (q, k
+// and v; gate and up) cost one fork and one barrier, not one each, and the threads balance over all their panels.
+// Each output element is summed exactly as with its part alone (the order of the sums is per element): bitwise the
+// separate products.
 template <Kind W>
-at::Tensor gemm(const at::Tensor& x, const char* wp, int64_t panels, const float* sp, int64_t group,
-                const c10::optional<at::Tensor>& bias, int64_t n) {
-  const int64_t K = x.size(-1), width = panels * kPanel, ldw = K * row_bytes<W>();
+at::Tensor gemm(const at::Tensor& x, const std::vector<Part>& parts, int64_t group) {
+  const int64_t K = x.size(-1), ldw = K * row_bytes<W>();
   const at::Tensor xs = x.reshape({-1, K}).contiguous();
   const int64_t M = xs.size(0);
+  int64_t width = 0, n = 0, panels = 0;
+  for (const Part& part : parts) width += part.panels * kPanel, n += part.n, panels += part.panels;
   at::Tensor y = at::empty({M, width}, x.options());
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) b = width == n ? bias->contiguous() : at::constant_pad_nd(*bias, {0, width - n});
   if (M > 0 && K > 0) {
     const float* xp = xs.data_ptr<float>();
-    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
     float* yp = y.data_ptr<float>();
     const RowBlocks blocks = row_blocks(M);
     const int64_t per_tile = panels_per_tile(blocks.rows(0), panels, at::get_num_threads());
-    const int64_t tiles = (panels + per_tile - 1) / per_tile;
-    const Product p{xp, K, K, wp, ldw, yp, width, bp, sp, width, group, true};
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Product> products;
+    int64_t col = 0;
+    for (const Part& part : parts) {
+      const float* bp = part.bias.defined() ? part.bias.data_ptr<float>() : nullptr;
+      products.push_back({xp, K, K, part.w, ldw, yp + col, width, bp, part.scales, part.panels * kPanel, group, true});
+      col += part.panels * kPanel;
+    }
+    const std::vector<Group> groups = groups_of(parts, per_tile);
+    at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
       const int64_t ld = per_tile * kPanel;
       std::vector<float> partial(K > block_k<W>(blocks) ? M * ld : 0);
       for (int64_t g = begin; g < end; ++g)
-        panel_group<W>(p, blocks, g * per_tile, std::min(per_tile, panels - g * per_tile), partial.data(), ld);
+        panel_group<W>(products[groups[g].part], blocks, groups[g].first, groups[g].count, partial.data(), ld);
     });
   } else if (M > 0) {
     y.zero_();
-    if (b.defined()) y.add_(b);
+    int64_t col = 0;
+    for (const Part& part : parts) {
+      if (part.bias.defined()) y.narrow(1, col, part.panels * kPanel).add_(part.bias);
+      col += part.panels * kPanel;
+    }
   }
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
-  return (width == n ? y : y.narrow(1, 0, n).contiguous()).view(sizes);
+  if (width == n) return y.view(sizes);
+  std::vector<at::Tensor> columns;
+  int64_t col = 0;
+  for (const Part& part : parts) {
+    columns.push_back(y.narrow(1, col, part.n));
+    col += part.panels * kPanel;
+  }
+  return at::cat(columns, 1).view(sizes);
+}
+
+// A part's bias padded to its panels (undefined: none).
+at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t panels, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return {};
+  return panels * kPanel == n ? bias->contiguous() : at::constant_pad_nd(*bias, {0, panels * kPanel - n});
+}
+
+void check_f32_weight(const char* op, const at::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu(), op, " runs on the CPU; got a weight on ", w.device());
+  TORCH_CHECK(w.scalar_type() == at::kFloat, op, " computes in float32; got a weight of ", w.scalar_type());
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == kPanel && w.is_contiguous(), op,
+              " needs contiguous weights [panels, K, 16]; got ", w.sizes());
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                          int64_t n) {
-  TORCH_CHECK(w.device().is_cpu(), "packed_linear runs on the CPU; got the weight on ", w.device());
-  TORCH_CHECK(w.scalar_type() == at::kFloat, "packed_linear computes in float32; got weight ", w.scalar_type());
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == kPanel && w.is_contiguous(),
-              "packed_linear needs a contiguous weight [panels, K, 16]; got ", w.sizes());
+  check_f32_weight("packed_linear", w);
   check_x_and_bias("packed_linear", x, w.size(1), bias, n, w.size(0));
-  return gemm<Kind::kF32>(x, reinterpret_cast<const char*>(w.data_ptr<float>()), w.size(0), nullptr, 0, bias, n);
+  const Part part{reinterpret_cast<const char*>(w.data_ptr<float>()), w.size(0), padded_bias(bias, w.size(0), n),
+                  nullptr, n};
+  return gemm<Kind::kF32>(x, {part}, 0);
+}
+
+// packed_linear_cat: packed_linear of several weights (no bias) on the same x, their outputs concatenated, in one
+// parallel region.
+at::Tensor packed_linear_cat(const at::Tensor& x, at::TensorList weights, at::IntArrayRef out_features) {
+  TORCH_CHECK(!weights.empty() && weights.size() == out_features.size(),
+              "packed_linear_cat needs one output size per weight (at least one); got ", weights.size(),
+              " weights and ", out_features.size(), " sizes");
+  std::vector<Part> parts;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    check_f32_weight("packed_linear_cat", w);
+    check_x_and_bias("packed_linear_cat", x, w.size(1), c10::nullopt, out_features[i], w.size(0));
+    parts.push_back({reinterpret_cast<const char*>(w.data_ptr<float>()), w.size(0), {}, nullptr, out_features[i]});
+  }
+  return gemm<Kind::kF32>(x, parts, 0);
 }
 
 // packed_qlinear: the weight-only int8 / int4 twin. Each panel row is dequantized at load, w = float(q) * scale in
@@ -135,9 +207,9 @@ at::Tensor packed_qlinear(const at::Tensor& x, const at::Tensor& w, const at::Te
   const int64_t group = K / groups;
   TORCH_CHECK(int8 || group % 2 == 0, "packed_qlinear: int4 pairs two steps of K in a byte, so the group size must be ",
               "even; got ", group, " (K = ", K, ", ", groups, " groups)");
-  const char* wp = reinterpret_cast<const char*>(w.data_ptr());
-  return int8 ? gemm<Kind::kI8>(x, wp, panels, s.data_ptr<float>(), group, bias, n)
-              : gemm<Kind::kI4>(x, wp, panels, s.data_ptr<float>(), group, bias, n);
+  const Part part{reinterpret_cast<const char*>(w.data_ptr()), panels, padded_bias(bias, panels, n),
+                  s.data_ptr<float>(), n};
+  return int8 ? gemm<Kind::kI8>(x, {part}, group) : gemm<Kind::kI4>(x, {part}, group);
 }
 
 }  // namespace
@@ -146,4 +218,5 @@ at::Tensor packed_qlinear(const at::Tensor& x, const at::Tensor& w, const at::Te
 TORCH_LIBRARY_IMPL(optimum_neuron, CPU, m) {
   m.impl("packed_linear", &optimum_neuron::packed_linear);
   m.impl("packed_qlinear", &optimum_neuron::packed_qlinear);
+  m.impl("packed_linear_cat", &optimum_neuron::packed_linear_cat);
 }

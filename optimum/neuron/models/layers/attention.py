@@ -29,6 +29,7 @@ from torch import nn
 from ...kernels.attention import chunk_attention, paged_attention, paged_attention_int8
 from .kv_cache import read_kv, readable, stored_kv, write_stored
 from .masks import chunk_mask, chunk_window_mask, decode_mask, decode_window_mask
+from .packed_linear import project
 from .rope import apply_rotary
 
 
@@ -297,7 +298,8 @@ class Attention(nn.Module):
         if self.options.fused_qkv:
             q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
             return q, k, v
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        return q, k, v
 
     def forward(
         self,

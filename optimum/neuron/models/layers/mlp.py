@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from .packed_linear import project
+
 
 class GatedMLP(nn.Module):
     """The SwiGLU-style MLP shared by the llama, mistral, qwen and Gemma families."""
@@ -18,7 +20,8 @@ class GatedMLP(nn.Module):
         self.act = ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(self.act(gate) * up)
 
 
 class FusedGatedMLP(nn.Module):

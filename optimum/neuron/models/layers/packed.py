@@ -15,14 +15,8 @@ from torch import nn
 
 from ...kernels.packed import packed_linear, packed_shape
 from .embedding import PackedEmbedding, PackedScaledEmbedding, QuantizedEmbedding, ScaledEmbedding
+from .packed_linear import PackedLinear
 from .parallel import RowParallelLinear
-
-
-class PackedLinear(nn.Linear):
-    """``nn.Linear`` with a packed weight ``[ceil(out / 16), in, 16]``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.weight, self.bias, self.out_features)
 
 
 class PackedRowParallelLinear(RowParallelLinear):
