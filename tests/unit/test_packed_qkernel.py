@@ -224,6 +224,37 @@ def test_bad_inputs_are_refused_not_crashes(bits: int, call: Call, message: str)
         call(x, weight, scales)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", [1, 8, 9, 300])
+def test_cat_is_bitwise_the_separate_products(bits: int, rows: int) -> None:
+    """packed_qlinear_cat: the weights' outputs side by side (ragged panels, K over several blocks), each bitwise what
+    packed_qlinear gives it alone."""
+    outs, inp, group = [100, 48, 20], 256, 64
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
+    tables, scales = [], []
+    for i, out in enumerate(outs):
+        q, s = _quantized(out, inp, bits, group, seed=i)
+        tables.append(BITS[bits][2](q))
+        scales.append(packed.pack_scales(s))
+    got = packed.packed_qlinear_cat(x, tables, scales, outs)
+    alone = [packed.packed_qlinear(x, t, s, None, out) for t, s, out in zip(tables, scales, outs, strict=True)]
+    assert torch.equal(got, torch.cat(alone, -1))
+
+
+def test_cat_refuses_mixed_kinds_and_groups() -> None:
+    q8, s8 = _quantized(32, 128, 8, 64)
+    q4, s4 = _quantized(32, 128, 4, 64)
+    x = torch.randn(2, 128)
+    int8, int4 = packed.pack_int8(q8), packed.pack_int4(q4)
+    with pytest.raises(RuntimeError, match="kind and group size"):
+        packed.packed_qlinear_cat(x, [int8, int4], [packed.pack_scales(s8), packed.pack_scales(s4)], [32, 32])
+    with pytest.raises(RuntimeError, match="kind and group size"):
+        other = packed.pack_scales(torch.rand(32, 4))  # groups of 32
+        packed.packed_qlinear_cat(x, [int8, int8], [packed.pack_scales(s8), other], [32, 32])
+    with pytest.raises(RuntimeError, match="one scales tensor"):
+        packed.packed_qlinear_cat(x, [int8, int8], [packed.pack_scales(s8)], [32, 32])
+
+
 def test_int4_refuses_an_odd_group() -> None:
     """An int4 byte holds two steps of K: a group of one step (64 groups of K = 64) is refused, not misread."""
     x, weight, _ = _inputs(4)

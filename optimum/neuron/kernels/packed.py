@@ -33,6 +33,7 @@ PANEL = 16
 OPERATOR = "optimum_neuron::packed_linear"
 QOPERATOR = "optimum_neuron::packed_qlinear"
 CAT_OPERATOR = "optimum_neuron::packed_linear_cat"
+QCAT_OPERATOR = "optimum_neuron::packed_qlinear_cat"
 
 torch.library.define(
     OPERATOR, "(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor", tags=(torch.Tag.flexible_layout,)
@@ -100,6 +101,29 @@ def packed_qlinear(
     taken once per run of its group (the module docstring). Bad dtypes or shapes (groups not dividing K included)
     raise RuntimeError."""
     return torch.ops.optimum_neuron.packed_qlinear(x, weight, scales, bias, out_features)
+
+
+torch.library.define(
+    QCAT_OPERATOR,
+    "(Tensor x, Tensor[] weights, Tensor[] scales, int[] out_features) -> Tensor",
+    tags=(torch.Tag.flexible_layout,),
+)
+"""`packed_linear_cat`'s quantized twin: weights of one kind (int8 or int4) and one group size, a scales tensor each."""
+
+
+@torch.library.register_fake(QCAT_OPERATOR)
+def _qcat_output_shape(
+    x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor], out_features: list[int]
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(out_features)))
+
+
+def packed_qlinear_cat(
+    x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor], out_features: list[int]
+) -> torch.Tensor:
+    """``cat([packed_qlinear(x, weights[i], scales[i], None, out_features[i]) for each i], -1)`` in one call (one
+    parallel region), each output bitwise that; the weights of one kind and one group size (else RuntimeError)."""
+    return torch.ops.optimum_neuron.packed_qlinear_cat(x, weights, scales, out_features)
 
 
 def packed_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int, int]:

@@ -65,12 +65,13 @@ void check_x_and_bias(const char* op, const at::Tensor& x, int64_t k, const c10:
 }
 
 // One packed weight of kind W among a call's products: `w` its first panel, `bias` padded to its panels (undefined:
-// none), `scales` [K / group, panels * 16] for the quantized kinds, `n` its output features.
+// none), `scales` the contiguous [K / group, panels * 16] of the quantized kinds (undefined for fp32), `n` its output
+// features.
 struct Part {
   const char* w;
   int64_t panels;
   at::Tensor bias;
-  const float* scales;
+  at::Tensor scales;
   int64_t n;
 };
 
@@ -111,7 +112,8 @@ at::Tensor gemm(const at::Tensor& x, const std::vector<Part>& parts, int64_t gro
     int64_t col = 0;
     for (const Part& part : parts) {
       const float* bp = part.bias.defined() ? part.bias.data_ptr<float>() : nullptr;
-      products.push_back({xp, K, K, part.w, ldw, yp + col, width, bp, part.scales, part.panels * kPanel, group, true});
+      const float* sp = part.scales.defined() ? part.scales.data_ptr<float>() : nullptr;
+      products.push_back({xp, K, K, part.w, ldw, yp + col, width, bp, sp, part.panels * kPanel, group, true});
       col += part.panels * kPanel;
     }
     const std::vector<Group> groups = groups_of(parts, per_tile);
@@ -158,8 +160,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
                          int64_t n) {
   check_f32_weight("packed_linear", w);
   check_x_and_bias("packed_linear", x, w.size(1), bias, n, w.size(0));
-  const Part part{reinterpret_cast<const char*>(w.data_ptr<float>()), w.size(0), padded_bias(bias, w.size(0), n),
-                  nullptr, n};
+  const Part part{reinterpret_cast<const char*>(w.data_ptr<float>()), w.size(0), padded_bias(bias, w.size(0), n), {},
+                  n};
   return gemm<Kind::kF32>(x, {part}, 0);
 }
 
@@ -174,9 +176,35 @@ at::Tensor packed_linear_cat(const at::Tensor& x, at::TensorList weights, at::In
     const at::Tensor& w = weights[i];
     check_f32_weight("packed_linear_cat", w);
     check_x_and_bias("packed_linear_cat", x, w.size(1), c10::nullopt, out_features[i], w.size(0));
-    parts.push_back({reinterpret_cast<const char*>(w.data_ptr<float>()), w.size(0), {}, nullptr, out_features[i]});
+    parts.push_back({reinterpret_cast<const char*>(w.data_ptr<float>()), w.size(0), {}, {}, out_features[i]});
   }
   return gemm<Kind::kF32>(x, parts, 0);
+}
+
+// A quantized weight's part, checked: int8 [panels, K, 16] or int4 pairs [panels, K, 8] with float32 scales
+// [groups, panels * 16], groups dividing K (an even group size for int4). Its group size goes to `group`.
+Part quantized_part(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                    const c10::optional<at::Tensor>& bias, int64_t n, int64_t* group) {
+  TORCH_CHECK(w.device().is_cpu() && scales.device().is_cpu(), op, " runs on the CPU; got the weight on ", w.device(),
+              " and the scales on ", scales.device());
+  const bool int8 = w.scalar_type() == at::kChar, int4 = w.scalar_type() == at::kByte;
+  TORCH_CHECK(int8 || int4, op,
+              " needs an int8 weight [panels, K, 16] or a uint8 weight of int4 pairs [panels, K, 8]; got dtype ",
+              w.scalar_type());
+  const int64_t row = int8 ? kPanel : kPanel / 2;
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == row && w.is_contiguous(), op, " needs a contiguous ",
+              int8 ? "int8 weight [panels, K, 16]" : "uint8 (int4 pairs) weight [panels, K, 8]", "; got ", w.sizes());
+  const int64_t panels = w.size(0), K = w.size(1);
+  check_x_and_bias(op, x, K, bias, n, panels);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, op, ": the scales must be float32; got ", scales.scalar_type());
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) >= 1 && scales.size(1) == panels * kPanel, op,
+              ": the scales must be [groups, ", panels * kPanel, "] (groups >= 1); got ", scales.sizes());
+  const int64_t groups = scales.size(0);
+  TORCH_CHECK(K % groups == 0, op, ": ", groups, " groups do not divide K = ", K);
+  *group = K / groups;
+  TORCH_CHECK(int8 || *group % 2 == 0, op, ": int4 pairs two steps of K in a byte, so the group size must be ",
+              "even; got ", *group, " (K = ", K, ", ", groups, " groups)");
+  return {reinterpret_cast<const char*>(w.data_ptr()), panels, padded_bias(bias, panels, n), scales.contiguous(), n};
 }
 
 // packed_qlinear: the weight-only int8 / int4 twin. Each panel row is dequantized at load, w = float(q) * scale in
@@ -184,32 +212,30 @@ at::Tensor packed_linear_cat(const at::Tensor& x, at::TensorList weights, at::In
 // packed_linear's on the packed dequantized weight.
 at::Tensor packed_qlinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(w.device().is_cpu() && scales.device().is_cpu(), "packed_qlinear runs on the CPU; got the weight on ",
-              w.device(), " and the scales on ", scales.device());
-  const bool int8 = w.scalar_type() == at::kChar, int4 = w.scalar_type() == at::kByte;
-  TORCH_CHECK(int8 || int4,
-              "packed_qlinear needs an int8 weight [panels, K, 16] or a uint8 weight of int4 pairs [panels, K, 8]; "
-              "got dtype ", w.scalar_type());
-  const int64_t row = int8 ? kPanel : kPanel / 2;
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == row && w.is_contiguous(), "packed_qlinear needs a contiguous ",
-              int8 ? "int8 weight [panels, K, 16]" : "uint8 (int4 pairs) weight [panels, K, 8]", "; got ",
-              w.sizes());
-  const int64_t panels = w.size(0), K = w.size(1);
-  check_x_and_bias("packed_qlinear", x, K, bias, n, panels);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat, "packed_qlinear: the scales must be float32; got ",
-              scales.scalar_type());
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) >= 1 && scales.size(1) == panels * kPanel,
-              "packed_qlinear: the scales must be [groups, ", panels * kPanel, "] (groups >= 1); got ",
-              scales.sizes());
-  const int64_t groups = scales.size(0);
-  TORCH_CHECK(K % groups == 0, "packed_qlinear: ", groups, " groups do not divide K = ", K);
-  const at::Tensor s = scales.contiguous();
-  const int64_t group = K / groups;
-  TORCH_CHECK(int8 || group % 2 == 0, "packed_qlinear: int4 pairs two steps of K in a byte, so the group size must be ",
-              "even; got ", group, " (K = ", K, ", ", groups, " groups)");
-  const Part part{reinterpret_cast<const char*>(w.data_ptr()), panels, padded_bias(bias, panels, n),
-                  s.data_ptr<float>(), n};
-  return int8 ? gemm<Kind::kI8>(x, {part}, group) : gemm<Kind::kI4>(x, {part}, group);
+  int64_t group = 0;
+  const Part part = quantized_part("packed_qlinear", x, w, scales, bias, n, &group);
+  return w.scalar_type() == at::kChar ? gemm<Kind::kI8>(x, {part}, group) : gemm<Kind::kI4>(x, {part}, group);
+}
+
+// packed_qlinear_cat: packed_qlinear of several weights (no bias) of one kind and one group size on the same x, their
+// outputs concatenated, in one parallel region.
+at::Tensor packed_qlinear_cat(const at::Tensor& x, at::TensorList weights, at::TensorList scales,
+                              at::IntArrayRef out_features) {
+  TORCH_CHECK(!weights.empty() && weights.size() == out_features.size() && weights.size() == scales.size(),
+              "packed_qlinear_cat needs one scales tensor and one output size per weight (at least one); got ",
+              weights.size(), " weights, ", scales.size(), " scales and ", out_features.size(), " sizes");
+  std::vector<Part> parts;
+  int64_t group = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    int64_t own = 0;
+    parts.push_back(quantized_part("packed_qlinear_cat", x, weights[i], scales[i], c10::nullopt, out_features[i], &own));
+    TORCH_CHECK(weights[i].scalar_type() == weights[0].scalar_type() && (i == 0 || own == group),
+                "packed_qlinear_cat: every weight must have the first one's kind and group size (",
+                weights[0].scalar_type(), ", ", i == 0 ? own : group, "); weight ", i, " has ",
+                weights[i].scalar_type(), ", ", own);
+    group = own;
+  }
+  return weights[0].scalar_type() == at::kChar ? gemm<Kind::kI8>(x, parts, group) : gemm<Kind::kI4>(x, parts, group);
 }
 
 }  // namespace
@@ -219,4 +245,5 @@ TORCH_LIBRARY_IMPL(optimum_neuron, CPU, m) {
   m.impl("packed_linear", &optimum_neuron::packed_linear);
   m.impl("packed_qlinear", &optimum_neuron::packed_qlinear);
   m.impl("packed_linear_cat", &optimum_neuron::packed_linear_cat);
+  m.impl("packed_qlinear_cat", &optimum_neuron::packed_qlinear_cat);
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...kernels.packed import packed_linear, packed_linear_cat
+from ...kernels.packed import packed_linear, packed_linear_cat, packed_qlinear_cat
 
 
 class PackedLinear(nn.Linear):
@@ -18,13 +18,35 @@ class PackedLinear(nn.Linear):
 
 
 def project(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
-    """Each of ``linears`` applied to ``x`` (a layer's q, k and v, or its gate and up): in one `packed_linear_cat`
-    call when all are plain `PackedLinear` layers (one parallel region for all), each bias added after, which is
-    bitwise the separate products (packed_linear's kernel also adds the bias to the finished sum); else one call each
-    (torch's layout, quantized and LoRA layers)."""
-    layers = [m for m in linears if type(m) is PackedLinear]
+    """Each of ``linears`` applied to ``x`` (a layer's q, k and v, or its gate and up): in one call when all are plain
+    `PackedLinear` layers (`packed_linear_cat`), or all plain `PackedQuantizedLinear` layers of one kind and group size
+    (`packed_qlinear_cat`): one parallel region for all, each bias added after, which is bitwise the separate products
+    (the kernels also add the bias to the finished sum). Else one call each (torch's layout, LoRA, mixed kinds)."""
+    from .quantized import PackedQuantizedLinear  # here: quantized imports parallel, which imports the attention
+
+    kind = type(linears[0])
+    fusable = kind in (PackedLinear, PackedQuantizedLinear)
+    layers = [m for m in linears if isinstance(m, nn.Linear) and type(m) is kind] if fusable else []
     if len(linears) < 2 or len(layers) < len(linears):
         return tuple(m(x) for m in linears)
-    sizes = [layer.out_features for layer in layers]
-    outs = packed_linear_cat(x, [layer.weight for layer in layers], sizes).split(sizes, dim=-1)
-    return tuple(out if layer.bias is None else out + layer.bias for out, layer in zip(outs, layers, strict=True))
+    sizes = [m.out_features for m in layers]
+    weights = [_tensor(m.weight) for m in layers]
+    scales = [_tensor(m.weight_scale) for m in layers] if kind is PackedQuantizedLinear else []
+    if not scales:
+        y = packed_linear_cat(x, weights, sizes)
+    elif _one_scheme(weights, scales):
+        y = packed_qlinear_cat(x, weights, scales, sizes)
+    else:
+        return tuple(m(x) for m in linears)
+    return tuple(o if m.bias is None else o + m.bias for o, m in zip(y.split(sizes, dim=-1), layers, strict=True))
+
+
+def _tensor(value: object) -> torch.Tensor:
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
+def _one_scheme(weights: list[torch.Tensor], scales: list[torch.Tensor]) -> bool:
+    """Quantized weights `packed_qlinear_cat` takes together: one dtype (int8, or int4 pairs) and one group size."""
+    groups = {w.shape[1] // s.shape[0] for w, s in zip(weights, scales, strict=True)}
+    return len({w.dtype for w in weights}) == 1 and len(groups) == 1
