@@ -255,6 +255,37 @@ def test_cat_refuses_mixed_kinds_and_groups() -> None:
         packed.packed_qlinear_cat(x, [int8, int8], [packed.pack_scales(s8)], [32, 32])
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_project_fuses_quantized_layers_only_in_short_calls(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`project` runs quantized layers of one scheme as one call up to QUANTIZED_CAT_ROWS rows, one call each beyond
+    (and for mixed group sizes): bitwise what each layer gives alone either way."""
+    from torch import nn
+
+    from optimum.neuron.models.layers import packed_linear
+    from optimum.neuron.models.layers.quantized import PackedQuantizedLinear
+
+    def layer(out: int, group: int, seed: int) -> nn.Module:
+        q, s = _quantized(out, 128, bits, group, seed=seed)
+        module = nn.Linear(128, out, bias=seed == 0)
+        module.__class__ = PackedQuantizedLinear
+        module.weight = nn.Parameter(BITS[bits][2](q), requires_grad=False)
+        module.weight_scale = nn.Parameter(packed.pack_scales(s), requires_grad=False)
+        return module
+
+    calls = []
+    fused = packed_linear.packed_qlinear_cat
+    monkeypatch.setattr(packed_linear, "packed_qlinear_cat", lambda *args: calls.append(1) or fused(*args))
+    same, mixed = [layer(48, 64, 0), layer(20, 64, 1)], [layer(48, 64, 0), layer(20, 32, 1)]
+    rows = packed_linear.QUANTIZED_CAT_ROWS
+    for layers, count, want in ((same, rows, 1), (same, rows + 1, 0), (mixed, 1, 0)):
+        calls.clear()
+        x = torch.randn(1, count, 128)
+        got = packed_linear.project(x, *layers)
+        assert len(calls) == want
+        for out, module in zip(got, layers, strict=True):
+            assert torch.equal(out, module(x))
+
+
 def test_int4_refuses_an_odd_group() -> None:
     """An int4 byte holds two steps of K: a group of one step (64 groups of K = 64) is refused, not misread."""
     x, weight, _ = _inputs(4)
