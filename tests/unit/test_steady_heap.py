@@ -15,8 +15,8 @@ from optimum.neuron.kernels import library
 set_ = library.steady_heap() if sys.argv[1] == "steady" else None
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):  # 32 MiB, like a call's buffers (torch aligns them to 2 MiB): the heap settles
-    torch.empty(8 << 20).fill_(1.0)
+for _ in range(50):  # 32 MiB, like a call's buffers (torch aligns them to 2 MiB): the heap settles (after 8 to 13
+    torch.empty(8 << 20).fill_(1.0)  # blocks in the runs seen: each aligned block first grows it)
 before = faults()
 for _ in range(10):
     torch.empty(8 << 20).fill_(1.0)
