@@ -70,8 +70,10 @@ def test_ngram_speculation_serves_transformers_tokens_and_counts_what_it_kept() 
     assert counters["vllm:spec_decode_num_drafts"] > 0, counters
     assert counters["vllm:spec_decode_num_draft_tokens"] >= counters["vllm:spec_decode_num_drafts"], counters
     assert counters["vllm:spec_decode_num_accepted_tokens"] >= len(COPYING), f"a right draft was not kept: {counters}"
-    steps = [r for r in llm.collective_rpc("step_records")[0] if r["decodes"]]
-    assert len(steps) < max(news) - 1, "no step yielded more than one token"
+    # Without a kept draft each request decodes its tokens but the first one step at a time: sum(news) - 2 rows in
+    # all, whether the engine core got both requests in its first step or (a loaded machine) stepped one first.
+    rows = sum(len(r["decodes"]) for r in llm.collective_rpc("step_records")[0])
+    assert rows < sum(n - 1 for n in news), "no decode row yielded more than one token"
 
     knobs = {"temperature": 1.3, "top_k": 40, "top_p": 0.9, "seed": 21}
     ids = prompt(COPYING[0])  # all cached but its last token: vLLM pads its first step with -1 drafts (no proposal)
