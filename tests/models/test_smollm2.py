@@ -210,7 +210,13 @@ def test_other_folders_copy_the_cache_conversion(tmp_path: Path, monkeypatch: py
     assert not (tmp_path / "next").exists()
 
 
-def test_missing_package_says_make_install(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_package_says_make_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from optimum.neuron import smollm2
+
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
+    monkeypatch.setattr(smollm2, "default_smollm2_dir", lambda dtype: tmp_path / "cache")  # no conversion to copy
     with pytest.raises(SmolLM2UnavailableError, match="make install"):
-        convert_smollm2(Path("/nonexistent/smollm2"))
+        convert_smollm2(tmp_path / "out")
+    with pytest.raises(SmolLM2UnavailableError, match="make install"):  # force reads the GGUF, cache or not
+        convert_smollm2(tmp_path / "cache", force=True)
+    assert list(tmp_path.iterdir()) == []
