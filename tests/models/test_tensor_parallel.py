@@ -90,8 +90,8 @@ ENGINE_FIXTURES = (
     "llama-2x4x8-h6-kv3-tp2-spec3-eager",  # the verification graph on two ranks (prompt lookup)
 )
 """Every family, chunked, on eager: KV heads replicated (llama, one KV head), split (the others) and padded (llama
-with 6 / 3 heads); and qwen3 on inductor (its AOTInductor graphs with their all-reduces, loaded by each rank). The
-context-encoding and llama inductor `-tp2` fixtures run through vLLM (`tests/vllm/test_vllm_parallel.py`); here too
+with 6 / 3 heads); and qwen3 on inductor (its AOTInductor graphs with their all-reduces, loaded by each rank; served
+through vLLM too). The context-encoding `-tp2` fixture runs through vLLM (`tests/vllm/test_vllm_parallel.py`); here too
 with ``OPTIMUM_NEURON_TP_ALL=1`` (CI's time budget keeps them out of ``make test``)."""
 
 

@@ -83,8 +83,9 @@ def test_tensor_parallel_offline_equals_transformers() -> None:
 
 @subprocess_test
 def test_tensor_parallel_server_equals_transformers(tmp_path: Path) -> None:
-    """``vllm serve`` of the 2-rank inductor artifact: concurrent greedy requests and a seeded one."""
-    name = "llama-2x4x8-kv1-tp2-inductor"
+    """``vllm serve`` of the 2-rank inductor artifact (qwen3: KV heads split over the ranks; the engine's own test of
+    it, tests/models/test_tensor_parallel.py, shares its export): concurrent greedy requests and a seeded one."""
+    name = "qwen3-2x4x8-tp2-inductor"
     artifact = export_fixture(name)
     asked = prompts(4)
     want, want_seeded = tp_reference(name, asked)
