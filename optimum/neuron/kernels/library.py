@@ -1,6 +1,6 @@
 """The toolkit's C++ library of CPU operators (``csrc/``: `packed` linear layers, `attention`, sampling's
 `candidates`), compiled together on first use into ``$OPTIMUM_NEURON_CACHE/kernels/<hash>`` with torch's
-``cpp_extension`` (~20 s, then a cache hit) and loaded before any graph that calls them runs."""
+``cpp_extension`` (20-50 s on two cores, then a cache hit) and loaded before any graph that calls them runs."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ per weight, so its products are bound by the bytes they stream, and within float
 
 The operators' schemas and their shape functions are defined here (what ``torch.export`` and AOTInductor need: a
 compiled graph calls the operator by name through the dispatcher); their CPU implementation is the toolkit's small C++
-library (`kernels.library`), compiled on first use into the cache (`library.load`: ~20 s, then a cache hit) and loaded
-before any graph runs.
+library (`kernels.library`), compiled on first use into the cache (`library.load`: 20-50 s on two cores, then a cache
+hit) and loaded before any graph runs.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@
 // vector, the same values lane for lane; a key no column of the vector attends is skipped: exact zeros); the mask's
 // rows read as bits 32 bytes at a time (AVX2); the queries' packing and the output's transposition by 16-lane gathers
 // (AVX-512); portable C++ otherwise (`isa.h`).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

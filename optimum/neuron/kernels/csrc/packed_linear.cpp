@@ -33,7 +33,10 @@
 // per cache line of each panel's stream: every k step for fp32, every 4th for int8, every 8th for int4): the next K
 // block for fp32 and int8, 1 KiB ahead for int4; near a panel's end, as far into the next group's panels, which
 // follow in memory (a thread runs consecutive groups: `prefetch_ahead`).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -30,7 +30,8 @@
 //
 // Instruction sets. AVX-512, or AVX2 + FMA, where the CPU has it (vector dot products, value sums and exp), else
 // portable C++; OPTIMUM_NEURON_PACKED_ISA=avx2|portable picks a lower path (`isa.h`, shared with packed_linear).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

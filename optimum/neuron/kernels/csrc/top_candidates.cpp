@@ -6,7 +6,8 @@
 // One pass over the row (`row_candidates`): vector compares find the few logits above the worst one kept so far, and
 // only those are kept; the candidates are sorted last. Rows run in parallel. SmolLM2's 49,152 logits, k = 256, on two
 // cores of the 2-core VM: 22 us for one row, 93 us for eight (torch's topk and sorts: ~85 and ~560 us).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
