@@ -425,21 +425,21 @@ using TileFn = void (*)(const Tile&);
 
 // Vector registers a tile may hold as accumulators (the rest: the panels' weights and the broadcast): 24 of AVX-512's
 // 32, one per row of one panel; 12 of AVX2's 16, two per row of one panel. The portable path sizes its tiles as AVX2's.
-constexpr int64_t kAccumulators512 = 24;
-constexpr int64_t kAccumulators256 = 12;
+constexpr int64_t kAccumulators512 = 24, kPanelRegisters512 = 1;
+constexpr int64_t kAccumulators256 = 12, kPanelRegisters256 = 2;
 int64_t accumulators() { return isa() == Isa::kAvx512 ? kAccumulators512 : kAccumulators256; }
-int64_t registers_per_panel() { return isa() == Isa::kAvx512 ? 1 : 2; }
+int64_t registers_per_panel() { return isa() == Isa::kAvx512 ? kPanelRegisters512 : kPanelRegisters256; }
 
 // Whether a tile of R rows x P panels fits a path's accumulators. Only those are compiled: `max_rows` and
 // `panels_per_tile` never ask for another. The 60 AVX2 and 60 portable tiles that would not fit (and 6 AVX-512 ones)
 // took 40 % of packed_linear.cpp's compile for nothing: 53 s of g++ with them on a 2-core Zen 3 VM, 31.5 s without.
 template <int R, int P>
 constexpr bool fits_avx512() {
-  return R * P <= kAccumulators512;
+  return kPanelRegisters512 * R * P <= kAccumulators512;
 }
 template <int R, int P>
 constexpr bool fits_avx2() {
-  return 2 * R * P <= kAccumulators256;
+  return kPanelRegisters256 * R * P <= kAccumulators256;
 }
 
 // Each path's tile of R rows x P panels of kind W (null where it does not fit): int4 panels have their own.
