@@ -104,6 +104,17 @@ class NeuronConfig:
     ``generate(prompt_lookup_num_tokens=k)`` proposes tokens by matching the sequence's last n-gram against its
     earlier tokens (transformers' prompt lookup), ``k <= K``. 0 compiles no verification graph
     (docs/speculative.md)."""
+    mixed_batch: bool = False
+    """Also compile a mixed graph: one call for a step's decoding rows (the token-generation rows, ``[batch_size,
+    1]``) and one prefill chunk (``[1, C]``), where the runtime otherwise runs the token-generation graph and then the
+    chunked-prefill graph. The linear layers multiply the decode rows and the chunk's tokens in one pass over the
+    weights (a decode step's cost is that pass), each part attending as its own graph does; the decode rows' logits
+    come back and are sampled on the host with the graph's own rule. The engine runs it whenever a step holds both
+    decodes and a prefill chunk (vLLM's steps while a prompt is fed under running requests), so such a step costs
+    one chunk call and its decode rows' share instead of a chunk call plus a decode call (SmolLM2, 2-core CPU: 3-6 %
+    less a step; benchmark/README.md). Chunked
+    prefill on inductor or eager (symbolic shapes: one graph serves every chunk length and both KV windows); a
+    text-only artifact of one rank, without adapter slots. Costs one more compiled graph (docs/chunked-prefill.md)."""
     max_loras: int = 0
     """Multi-LoRA: N > 0 compiles every graph with N adapter slots on the decoder layers' linear projections
     (`lora_target_modules`): each one adds ``scaling * B[i] (A[i] x)`` for the adapter slot ``i`` of its row (token
@@ -234,6 +245,7 @@ class NeuronConfig:
             _check_kv_cache,
             _check_images,
             _check_lora,
+            _check_mixed_batch,
         ):
             check(self)
 
@@ -717,3 +729,27 @@ def _check_lora(config: NeuronConfig) -> None:
             f"lora_target_modules={config.lora_target_modules!r} names {unknown or 'nothing'}: pass "
             f"{flag('lora_target_modules')} all, or some of {', '.join(LORA_PROJECTIONS)}."
         )
+
+
+def _check_mixed_batch(config: NeuronConfig) -> None:
+    """`mixed_batch` is a bool, and what the mixed graph does not cover is refused, naming the flag to change."""
+    if not isinstance(config.mixed_batch, bool):
+        raise IncompatibleConfigError(f"mixed_batch must be a bool, got {config.mixed_batch!r}.")
+    if not config.mixed_batch:
+        return
+    why = None
+    if not config.prefill_chunk_size:
+        why = "it joins decode rows with a prefill chunk: export with --prefill_chunk_size C"
+    elif config.backend not in SYMBOLIC_SHAPE_BACKENDS:
+        why = (
+            f"on {config.backend!r} (static shapes) it would be compiled once per chunk length and pair of KV windows: "
+            "export with --backend inductor or eager"
+        )
+    elif config.image_tiles:
+        why = "an image-text artifact's chunks splice image rows, which the mixed graph does not take"
+    elif config.max_loras:
+        why = "adapter slots select a LoRA adapter per row, and the mixed graph's chunk tokens share one row"
+    elif config.tp_degree > 1:
+        why = f"it is not verified on tensor-parallel ranks yet: export with {flag('tp_degree')} 1"
+    if why is not None:
+        raise IncompatibleConfigError(f"{switch('mixed_batch')} is not available here: {why} (or leave it out).")

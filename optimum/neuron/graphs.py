@@ -28,6 +28,10 @@ class GraphKind(str, enum.Enum):
     VERIFICATION = "verification"
     """``[batch_size, speculation_length + 1]``: per KV slot its last token and the tokens proposed after it, at
     consecutive positions; returns the logits of every column ``[B, K + 1, V]`` (speculative decoding)."""
+    MIXED = "mixed"
+    """``--mixed_batch``: the token-generation rows ``[batch_size, 1]`` and one sequence's prefill chunk ``[1, C]`` in
+    one call, the decode rows as token generation reads and writes them, the chunk as chunked prefill does; returns the
+    logits of every decode row and of the chunk's last real token ``[batch_size + 1, V]``."""
     VISION_ENCODER = "vision_encoder"
     """Image-text artifacts: ``[image_tiles, 3, image_size, image_size]`` pixels -> the image rows the prefill graphs
     splice in, ``[image_tiles * rows_per_tile, hidden]``. Never touches the KV cache."""
@@ -124,6 +128,8 @@ def graph_specs(config: NeuronConfig) -> tuple[GraphSpec, ...]:
         specs.extend(_as_compiled(logits, config, full_only=True))
     if config.speculation_length:
         specs.extend(_as_compiled(graph_spec(config, GraphKind.VERIFICATION), config))
+    if config.mixed_batch:
+        specs.extend(_as_compiled(graph_spec(config, GraphKind.MIXED), config))
     if config.max_loras:
         specs = [dataclasses.replace(spec, adapters=True) for spec in specs]
     if config.image_tiles:
@@ -139,6 +145,7 @@ SPEC_FIELDS = (
     "decode_logits",
     "prompt_logprobs",
     "speculation_length",
+    "mixed_batch",
     "image_tiles",
     "image_size",
     "max_images",
@@ -268,9 +275,12 @@ def graph_spec(config: NeuronConfig, kind: GraphKind) -> GraphSpec:
             kind, config.batch_size, config.speculation_length + 1, False, False, windows, seq, block_size=block,
             chunks=verification_widths(config), chunk_size=config.speculation_length + 1,
         )  # fmt: skip
-    if kind is GraphKind.CHUNKED_PREFILL:
+    if kind in (GraphKind.CHUNKED_PREFILL, GraphKind.MIXED):  # mixed: `batch` decode rows beside the chunk
         chunks, chunk = config.chunk_sizes, config.prefill_chunk_size
-        return GraphSpec(kind, 1, chunk, False, False, windows, seq, block_size=block, chunks=chunks, chunk_size=chunk)
+        rows = config.batch_size if kind is GraphKind.MIXED else 1
+        return GraphSpec(
+            kind, rows, chunk, False, False, windows, seq, block_size=block, chunks=chunks, chunk_size=chunk
+        )  # fmt: skip
     return GraphSpec(kind, 1, seq, False, False, (), seq, block_size=block)
 
 
@@ -294,6 +304,8 @@ def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
     image rows of an image-text prefill graph come from `image_row_inputs`."""
     if spec.kind is GraphKind.VISION_ENCODER:
         return {"pixel_values": torch.zeros(spec.batch, 3, spec.image_size, spec.image_size)}
+    if spec.kind is GraphKind.MIXED:
+        return mixed_example_inputs(spec)
     ids = torch.zeros(spec.batch, spec.tokens, dtype=torch.long)
     positions = torch.arange(spec.tokens, dtype=torch.long).expand(spec.batch, -1).contiguous()
     inputs = {"input_ids": ids, "position_ids": positions, "slot_mapping": torch.zeros_like(ids)}
@@ -306,18 +318,35 @@ def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
     return inputs
 
 
+MIXED_DECODE_INPUTS = ("input_ids", "position_ids", "slot_mapping", "block_table")
+"""The mixed graph's decode rows: token generation's inputs, ``[batch_size, 1]`` and ``[batch_size, W / block]``."""
+MIXED_CHUNK_INPUTS = ("chunk_ids", "chunk_positions", "chunk_slots", "chunk_table")
+"""The mixed graph's chunk: chunked prefill's inputs, ``[1, T]`` and ``[1, W' / block]`` (its own KV window)."""
+
+
+def mixed_example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
+    """The mixed graph's per-call inputs, valid for tracing: its decode rows' and its chunk's, every token writing to
+    the scratch block, both block tables of the largest window (all scratch)."""
+    rows = example_inputs(dataclasses.replace(spec, kind=GraphKind.TOKEN_GENERATION, tokens=1, chunks=()))
+    chunk = example_inputs(dataclasses.replace(spec, kind=GraphKind.CHUNKED_PREFILL, batch=1))
+    return {**rows, **dict(zip(MIXED_CHUNK_INPUTS, (chunk[name] for name in MIXED_DECODE_INPUTS), strict=True))}
+
+
 def symbolic_dims(spec: GraphSpec) -> dict[str, object] | None:
     """`torch.export` dynamic shapes of graph ``spec``'s per-call inputs by name: the window (the columns of
     ``block_table``, whole blocks) when the graph serves several, the token columns of a chunk (and of its image rows)
     when it serves several chunk lengths; None when every shape is static."""
     dims: dict[str, object] = {}
+    mixed = spec.kind is GraphKind.MIXED
     if spec.symbolic_window:
         low, high = (min(spec.windows) // spec.block_size, max(spec.windows) // spec.block_size)
         dims["block_table"] = {1: torch.export.Dim("kv_blocks", min=low, max=high)}
+        if mixed:  # the chunk's window, apart from the decode rows'
+            dims["chunk_table"] = {1: torch.export.Dim("chunk_kv_blocks", min=low, max=high)}
     if spec.symbolic_chunk:
         chunk = torch.export.Dim("chunk", min=min(spec.chunks), max=max(spec.chunks))
         names = ("input_ids", "position_ids", "slot_mapping") + (("image_embeds", "image_mask") if spec.images else ())
-        dims.update({name: {1: chunk} for name in names})
+        dims.update({name: {1: chunk} for name in (MIXED_CHUNK_INPUTS[:3] if mixed else names)})
     return dims or None
 
 
@@ -346,6 +375,9 @@ def graph_args(kind: GraphKind, inputs: dict[str, torch.Tensor], kv_cache: list[
     (sampling inputs), (each row's adapter slot: last, the optional arguments before it given as None)."""
     if kind is GraphKind.VISION_ENCODER:
         return (inputs["pixel_values"],)
+    if kind is GraphKind.MIXED:  # the decode rows' inputs, the chunk's, the cache, then the two block tables
+        rows, chunk = (inputs[k] for k in MIXED_DECODE_INPUTS[:3]), (inputs[k] for k in MIXED_CHUNK_INPUTS[:3])
+        return (*rows, *chunk, kv_cache, inputs["block_table"], inputs["chunk_table"])
     adapters = (inputs["adapter_ids"],) if "adapter_ids" in inputs else ()
     window = (inputs["block_table"],) if "block_table" in inputs else ((None,) if adapters else ())
     tokens = (inputs["input_ids"], inputs["position_ids"], inputs["slot_mapping"])

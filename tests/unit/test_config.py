@@ -12,7 +12,7 @@ import torch
 from optimum.exporters.neuron.__main__ import add_export_arguments, config_from_args
 from optimum.neuron.config import NeuronConfig, load_config_file, runtime_versions
 from optimum.neuron.errors import ArtifactError, IncompatibleConfigError, InputError
-from optimum.neuron.graphs import graph_specs
+from optimum.neuron.graphs import GraphKind, graph_fields, graph_specs
 from optimum.neuron.runtime.sampling import SamplingParams
 
 GRAPHS = ["chunked_prefill", "token_generation"]
@@ -59,6 +59,12 @@ INVALID = [
     ({"max_lora_rank": 8}, "--max_loras 4"),
     ({"max_loras": -1, "max_lora_rank": 8}, "--max_loras N"),
     ({"max_loras": 2, "max_lora_rank": 8, "lora_target_modules": "q_proj,lm_head"}, "--lora_target_modules all"),
+    ({"mixed_batch": 1}, "mixed_batch must be a bool"),
+    ({"mixed_batch": True}, "--mixed_batch is not available here: it joins decode rows with a prefill chunk"),
+    ({"mixed_batch": True, "prefill_chunk_size": 8, "backend": "xla"}, "export with --backend inductor or eager"),
+    ({"mixed_batch": True, "prefill_chunk_size": 8, "max_loras": 2, "max_lora_rank": 8}, "adapter slots"),
+    ({"mixed_batch": True, "prefill_chunk_size": 8, "image_tiles": 5, "image_size": 64}, "splice image rows"),
+    ({"mixed_batch": True, "prefill_chunk_size": 8, "tp_degree": 2}, "--tensor_parallel_size 1"),
 ]
 
 
@@ -252,3 +258,14 @@ def test_the_default_export_compiles_the_logits_graph_and_no_decode_logits_leave
     else:
         with pytest.raises(InputError, match=r"exported with --no_decode_logits .*: re-export without --no_decode"):
             asks_logits.check_graphs(config)
+
+
+def test_mixed_batch_adds_the_mixed_graph_and_changes_no_other() -> None:
+    """``--mixed_batch`` adds one graph, the token-generation rows beside a chunk; the other graphs keep their specs
+    (and so their keys in the per-graph cache: `graphs.SPEC_FIELDS`)."""
+    plain, mixed = graph_specs(chunked()), graph_specs(chunked(mixed_batch=True))
+    assert [s.name for s in mixed] == [s.name for s in plain] + ["mixed"]
+    assert mixed[:-1] == plain
+    spec = mixed[-1]
+    assert (spec.kind, spec.batch, spec.tokens, spec.chunks) == (GraphKind.MIXED, 2, 8, plain[0].chunks)
+    assert graph_fields(chunked()) == graph_fields(chunked(mixed_batch=True))

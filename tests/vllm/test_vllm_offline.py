@@ -123,14 +123,17 @@ def test_llm_generate_serves_each_family() -> None:
         llm.llm_engine.engine_core.shutdown()
 
 
+@pytest.mark.parametrize("name", ["llama-2x4x8-inductor", "llama-2x4x8-mixed-eager"])
 @subprocess_test
-def test_long_prompt_chunks_interleave_with_running_decodes() -> None:
+def test_long_prompt_chunks_interleave_with_running_decodes(name: str) -> None:
+    """The decodes of a running request share every step that feeds a long prompt's chunk; with ``--mixed_batch``
+    (``-mixed``) such a step is one mixed-graph call."""
     from vllm import LLM
 
     # The engine core in this process: `generate` adds both requests before the first step. In its own process the
     # core may step before the second one arrives (seen under load: the short request finished first, alone).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    artifact = export_fixture("llama-2x4x8-inductor")
+    artifact = export_fixture(name)
     short, long = prompt(3, 1), prompt(3 * CHUNK, 2)
     llm = LLM(model=str(artifact), seed=0)
     # The short request is admitted first and decodes while the long prompt is fed chunk by chunk.
@@ -143,6 +146,8 @@ def test_long_prompt_chunks_interleave_with_running_decodes() -> None:
     assert len(chunk_steps) >= 3, f"the long prompt was not fed in chunks: {records}"
     for r in chunk_steps[1:]:
         assert r["decodes"], f"step {r['index']} fed a chunk of the long prompt but decoded nothing: {records}"
+        assert r["mixed"] == name.endswith("-mixed-eager"), f"step {r['index']}: {records}"
+    assert out[1] == hf_greedy(tiny_model("llama"), long, 8)
     budget = CHUNK
     assert all(len(r["decodes"]) + sum(p[2] for p in r["prefills"]) <= budget for r in records), records
     # (no slot check here: an in-process core releases the last finished request at its next step, which never comes;

@@ -19,6 +19,7 @@ from .layers.attention import (
     AttentionOptions,
     ChunkContext,
     DecodeContext,
+    MixedContext,
     VerifyContext,
     attention_dims,
 )
@@ -178,6 +179,31 @@ class StaticDecoder(nn.Module):
         last = torch.argmax(position_ids[0]).reshape(1)  # invariant 5: max position = last real token
         return self._logits(h[0].index_select(0, last))
 
+    def mixed(
+        self,
+        spec: GraphSpec,
+        decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        kv_cache: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """The mixed graph: ``decode`` = token generation's ``(input_ids, position_ids, slot_mapping [B, 1],
+        block_table [B, nb])`` and ``chunk`` = one chunk's ``(ids, positions, slots [1, T], block_table [1, nb'])`` as
+        one row of ``B + T`` tokens through the linear layers, each part attending as its own graph does
+        (`MixedContext`). Returns the logits of the ``B`` decode rows, then of the chunk's last real token
+        (invariant 5): ``[B + 1, V]``."""
+        ids, positions, slots, table = decode
+        chunk_ids, chunk_positions, chunk_slots, chunk_table = chunk
+        rows, block, kernel = ids.shape[0], spec.block_size, self.paged_attention
+        ctx = MixedContext(
+            DecodeContext.build(positions, slots, table, block, self.windows, kernel),
+            ChunkContext.build(chunk_positions, chunk_slots, chunk_table, block, self.windows, kernel),
+            rows,
+        )
+        tokens = torch.cat((ids.reshape(1, rows), chunk_ids), dim=1)
+        h = self._hidden(tokens, torch.cat((positions.reshape(1, rows), chunk_positions), dim=1), kv_cache, ctx)
+        last = rows + torch.argmax(chunk_positions[0]).reshape(1)  # invariant 5: the chunk's max position
+        return self._logits(h[0].index_select(0, torch.cat((torch.arange(rows, device=h.device), last))))
+
 
 class _Graph(nn.Module):
     """A graph's module: shares the decoder's submodules, so its weight names equal the decoder's."""
@@ -257,8 +283,30 @@ class TokenGenerationGraph(_Graph):
         return sample_tokens(logits, temperature, top_k, top_p, uniforms, self.max_topk, kernel=kernel)
 
 
+class MixedGraph(_Graph):
+    """Exportable signature of the mixed graph (``--mixed_batch``): token generation's inputs, then one chunk's
+    (`graphs.MIXED_CHUNK_INPUTS`), the KV cache, and the two block tables."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        chunk_ids: torch.Tensor,
+        chunk_positions: torch.Tensor,
+        chunk_slots: torch.Tensor,
+        kv_cache: list[torch.Tensor],
+        block_table: torch.Tensor,
+        chunk_table: torch.Tensor,
+    ) -> torch.Tensor:
+        decode = (input_ids, position_ids, slot_mapping, block_table)
+        return self.decoder.mixed(self.spec, decode, (chunk_ids, chunk_positions, chunk_slots, chunk_table), kv_cache)
+
+
 def graph_module(decoder: StaticDecoder, spec: GraphSpec) -> nn.Module:
     """The module to trace or run for graph ``spec.kind``."""
+    if spec.kind is GraphKind.MIXED:
+        return MixedGraph(decoder, spec)
     if spec.kind is GraphKind.VISION_ENCODER:
         from .vision import VisionEncoderGraph
 

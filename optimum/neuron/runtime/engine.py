@@ -360,12 +360,13 @@ class Engine:
         """The body of `step`, on the work `_plan` accepted."""
         result = StepResult()
         host: HostRows = {}
+        mixing = self._mixable(prefills) if decodes and not proposed else None
         if decodes and proposed:
             self._verify(decodes, proposed, result, host)
-        elif decodes:
+        elif decodes and mixing is None:
             self._decode(decodes, result, host)
-        for sequence, count in prefills:
-            self._prefill(sequence, count, result, host)
+        for index, (sequence, count) in enumerate(prefills):
+            self._prefill(sequence, count, result, host, decodes if index == mixing else None)
         if host:
             assert sampler is not None, "_plan refused host-sampled sequences without a sampler"
             self._sample_on_host(sampler, host, result)
@@ -402,20 +403,50 @@ class Engine:
         sequence needs its logits on the host: then the graph returning logits runs and its rows are sampled on the
         host with the same rule and uniforms (or, for rows put in ``host``, by the HostSampler)."""
         by_slot = {_held(s): s for s in decodes}
-        ours = {slot for slot, s in by_slot.items() if s.sampler.params.host is None}
-        rows = [by_slot[slot].sampler if slot in ours else None for slot in range(self.config.batch_size)]
-        reach = max(s.computed for s in decodes) + 1  # each row reads up to its own new position
         logits_graph = any(s.sampler.params.needs_logits for s in decodes)
-        spec, window, _ = self._graph(GraphKind.TOKEN_GENERATION, reach, logits=logits_graph)
-        active = {slot: DecodeRow(s.tokens[-1], s.computed, s.blocks) for slot, s in by_slot.items()}
-        inputs = decode_rows(self.config.batch_size, active, window // self.block_size, self.block_size)
+        spec, window, _ = self._graph(GraphKind.TOKEN_GENERATION, _decode_reach(decodes), logits=logits_graph)
+        inputs = self._decode_inputs(by_slot, window)
+        samplers = self._row_samplers(by_slot)
         if spec.samples_on_device:
-            inputs.update(sampling_tensors(rows, self.config.max_topk))
+            inputs.update(sampling_tensors(samplers, self.config.max_topk))
         if spec.adapters:
             inputs["adapter_ids"] = self._adapter_ids(by_slot)
         out = self._call(spec, inputs)
-        logits = None if spec.samples_on_device else out.float().cpu()
-        tokens = out.cpu() if logits is None else sample_on_host(logits, rows, *self._candidate_rule)
+        if spec.samples_on_device:
+            self._decoded(by_slot, result, host, tokens=out.cpu())
+        else:
+            self._decoded(by_slot, result, host, logits=out.float().cpu())
+
+    def _decode_inputs(self, by_slot: dict[int, Sequence], window: int) -> dict[str, torch.Tensor]:
+        """The token-generation rows' inputs (`padding.decode_rows`) in KV window ``window``: row b the sequence
+        holding slot b."""
+        active = {slot: DecodeRow(s.tokens[-1], s.computed, s.blocks) for slot, s in by_slot.items()}
+        return decode_rows(self.config.batch_size, active, window // self.block_size, self.block_size)
+
+    def _row_samplers(self, by_slot: dict[int, Sequence]) -> list[SequenceSampler | None]:
+        """Each token-generation row's sampler: the sequence's own, None for a row without one or sampled by a
+        `HostSampler`."""
+        return [
+            s.sampler if (s := by_slot.get(slot)) is not None and s.sampler.params.host is None else None
+            for slot in range(self.config.batch_size)
+        ]
+
+    def _decoded(
+        self,
+        by_slot: dict[int, Sequence],
+        result: StepResult,
+        host: HostRows,
+        *,
+        logits: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+    ) -> None:
+        """Take each decoding row's token: from ``tokens [B]`` (sampled on device), or from ``logits [B, V]`` (on the
+        host) with the graph's rule and uniforms (rows put in ``host`` for the HostSampler); each sequence one position
+        further."""
+        ours = {slot for slot, s in by_slot.items() if s.sampler.params.host is None}
+        if logits is not None:
+            tokens = sample_on_host(logits, self._row_samplers(by_slot), *self._candidate_rule)
+        assert tokens is not None, "a decode call returns tokens or logits"
         for slot, sequence in by_slot.items():
             if slot in ours:
                 result.append(sequence, int(tokens[slot]), None if logits is None else logits[slot])
@@ -459,14 +490,20 @@ class Engine:
             if drafts:
                 result.accepted[sequence.seq_id] = len(kept) - 1
 
-    def _prefill(self, sequence: Sequence, count: int, result: StepResult, host: HostRows) -> None:
+    def _prefill(
+        self, sequence: Sequence, count: int, result: StepResult, host: HostRows, decodes: list[Sequence] | None = None
+    ) -> None:
         """Prefill ``count`` pending tokens chunk by chunk (a chunk holding prompt rows to score runs the graph
-        returning every row's logits); sample when the last pending one is in the cache."""
+        returning every row's logits; with ``decodes``, the first chunk runs in the mixed graph beside those decoding
+        sequences: `_mixable` chose it); sample when the last pending one is in the cache."""
         start, scorer = sequence.computed, sequence.scorer
         logits = torch.empty(0)
         for chunk, chunk_start in split_chunks(sequence.tokens[start : start + count], start, self.chunk_size):
             scoring = scorer is not None and scorer.wants(chunk_start)
-            rows = self._run_prefill(chunk, chunk_start, sequence, result, all_rows=scoring)
+            if decodes:
+                rows, decodes = self._run_mixed(decodes, chunk, chunk_start, sequence, result, host), None
+            else:
+                rows = self._run_prefill(chunk, chunk_start, sequence, result, all_rows=scoring)
             if scorer is not None and scoring:
                 scorer.add(chunk_start, rows)
             logits = rows[-1]  # the last real token's (invariant 5)
@@ -502,6 +539,46 @@ class Engine:
             inputs["adapter_ids"] = torch.tensor([sequence.adapter], dtype=torch.long)
         out = self._call(spec, inputs).float().cpu()
         return out[actual_tokens_mask(positions)[0]] if all_rows else out
+
+    def _mixable(self, prefills: list[tuple[Sequence, int]]) -> int | None:
+        """Which prefill range's first chunk runs in the mixed graph beside a step's decodes (``--mixed_batch``): the
+        first whose chunk the mixed graph takes (no image rows, no prompt rows to score); None without a mixed graph
+        or such a range."""
+        if not any(spec.kind is GraphKind.MIXED for spec in self.specs.values()):
+            return None
+        for index, (sequence, _) in enumerate(prefills):
+            scoring = sequence.scorer is not None and sequence.scorer.wants(sequence.computed)
+            if sequence.images is None and not scoring:
+                return index
+        return None
+
+    def _run_mixed(
+        self, decodes: list[Sequence], token_ids: list[int], start: int, sequence: Sequence, result: StepResult,
+        host: HostRows,
+    ) -> torch.Tensor:  # fmt: skip
+        """One mixed-graph call: the token-generation rows of ``decodes`` (each in the KV window its reach needs, as
+        `_decode` runs them) and one chunk of ``sequence``'s real tokens at ``start`` (in its own window, padded as
+        `_run_prefill` pads it). The decode rows' logits are sampled on the host with the graph's rule (`_decoded`);
+        returns the chunk's last real token's logits ``[1, V]``."""
+        by_slot, count = {_held(s): s for s in decodes}, len(token_ids)
+        reach = _decode_reach(decodes)
+        found = select_graph(self.specs.values(), GraphKind.MIXED, reach=max(reach, start), tokens=count)
+        assert found is not None, "the mixed graph covers every window and chunk length"
+        span = self.window_spans[found.spec.name]
+        inputs = self._decode_inputs(by_slot, exact_window(found, span, reach).window)
+        ids, positions = pad_chunk(token_ids, start, found.tokens)
+        chunk_window = exact_window(found, span, start).window
+        inputs |= {
+            "chunk_ids": ids,
+            "chunk_positions": positions,
+            "chunk_slots": chunk_slots(sequence.blocks, start, count, found.tokens, self.block_size),
+            "chunk_table": table_rows([sequence.blocks], chunk_window // self.block_size),
+        }
+        out = self._call(found.spec, inputs).float().cpu()
+        rows = self.config.batch_size
+        self._decoded(by_slot, result, host, logits=out[:rows])
+        result.mixed = True
+        return out[rows:]
 
     def _image_rows(
         self, sequence: Sequence, start: int, count: int, size: int, result: StepResult
@@ -554,6 +631,11 @@ class Engine:
         """Run graph ``spec`` on ``inputs`` (a graph reading the cache: in the KV window of its ``block_table``)."""
         placed = {k: v.to(self.device) for k, v in inputs.items()}
         return self.graphs[spec.name](*graph_args(spec.kind, placed, self.kv_cache))
+
+
+def _decode_reach(decodes: list[Sequence]) -> int:
+    """The cache positions a token-generation call reads: each row up to its own new position."""
+    return max(s.computed for s in decodes) + 1
 
 
 def _held(sequence: Sequence) -> int:

@@ -100,6 +100,9 @@ class StepResult:
     """Sequences fed through the token-generation (or verification) graph, in row order."""
     width: int = 1
     """Columns per row of the decode call: 1 + the longest proposal it verified, 1 for token generation."""
+    mixed: bool = False
+    """Whether the decodes ran in the mixed graph, beside the first chunk of the first prefill range
+    (``--mixed_batch``), instead of a token-generation call of their own."""
     prefills: list[tuple[SeqId, int, int]] = field(default_factory=list)
     """``(seq_id, start, count)`` of every prefill range, in the order they ran."""
     encoded: list[tuple[SeqId, int]] = field(default_factory=list)

@@ -36,13 +36,14 @@ logger = compat.logger(__name__)
 
 @dataclass
 class StepRecord:
-    """What one step ran, for logs and tests: decoded request ids, ``(req_id, start, count)`` prefills and the
-    ``(req_id, image index)`` of every image encoded."""
+    """What one step ran, for logs and tests: decoded request ids, ``(req_id, start, count)`` prefills, the
+    ``(req_id, image index)`` of every image encoded, and whether the decodes ran in the mixed graph beside a chunk."""
 
     index: int
     decodes: list[str] = field(default_factory=list)
     prefills: list[tuple[str, int, int]] = field(default_factory=list)
     encoded: list[tuple[str, int]] = field(default_factory=list)
+    mixed: bool = False
 
 
 @dataclass
@@ -193,7 +194,7 @@ class Runner:
             decodes = [str(r) for r in result.decodes]
             prefills = [(str(r), start, count) for r, start, count in result.prefills]
             encoded = [(str(r), index) for r, index in result.encoded]
-            self.records.append(StepRecord(self._steps, decodes, prefills, encoded))
+            self.records.append(StepRecord(self._steps, decodes, prefills, encoded, result.mixed))
         self._steps += 1
 
 
@@ -204,3 +205,4 @@ def _merge(into: StepResult, part: StepResult) -> None:
     for name in ("decodes", "prefills", "encoded"):
         getattr(into, name).extend(getattr(part, name))
     into.width = max(into.width, part.width)
+    into.mixed = into.mixed or part.mixed

@@ -1,8 +1,9 @@
 """Self-attention over the shared paged KV cache, for one graph kind at a time.
 
 `DecodeContext` (token generation: one token per batch row), `ChunkContext` (context encoding / chunked prefill:
-one sequence's chunk; verification rows off the CPU kernels) and `VerifyContext` (verification on the CPU kernels:
-each row's columns as token-generation queries) hold the per-call masks, the cache slot each token writes and the
+one sequence's chunk; verification rows off the CPU kernels), `VerifyContext` (verification on the CPU kernels:
+each row's columns as token-generation queries) and `MixedContext` (the mixed graph: token generation's rows and a
+chunk in one call) hold the per-call masks, the cache slot each token writes and the
 block table each row reads; each layer's `Attention` asks its context to attend and to write the new K/V into the cache.
 
 A context holds one mask per attention window its decoder uses: the full-attention mask and one per
@@ -186,23 +187,42 @@ class ChunkContext:
         """Attend over the sequence's KV window and the chunk's own K/V (within ``window`` positions of each query for
         a sliding-window layer), then store the chunk's K/V."""
         stored = stored_kv(caches, k, v)
-        if self.kernel and len(caches) == 2:  # a float cache: the chunk's K/V are stored as they are
+        if self.reads_after_write(caches):
             # Written first, as token generation does: the kernel then reads the cache after the write (a data
             # dependency), so inductor updates the cache in place. Read before it, the write was compiled in place or
             # into a full copy of the layer's cache depending on what the compiling process had compiled before.
-            # The keys the chunk wrote inside its window are masked for every query (they are not before the
-            # chunk's first position), so they weigh exactly 0.
             write_stored(caches, self.slots, stored)
-            factor = softmax_scale(q, scale)
-            return chunk_attention(q, k, v, caches[0], caches[1], self.table, self.mask_for(window), factor)
+            return self.read(q, k, stored, caches, window, scale)
+        out = self.read(q, k, stored, caches, window, scale)
+        write_stored(caches, self.slots, stored)
+        return out
+
+    def reads_after_write(self, caches: list[torch.Tensor]) -> bool:
+        """Whether `attend` writes the chunk's K/V before it reads: with the chunk kernel over a float cache (whose
+        stored K/V are the chunk's own as they are)."""
+        return self.kernel and len(caches) == 2
+
+    def read(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        stored: list[torch.Tensor],
+        caches: list[torch.Tensor],
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Attend ``q`` over the window's blocks as the cache holds them and over the chunk's own K/V, ``stored``
+        (`kv_cache.stored_kv` of ``k`` and its values), before or after the chunk's write: the keys the chunk writes
+        inside its window are masked for every query (they are not before the chunk's first position), so they weigh
+        exactly 0 either way."""
+        mask = self.mask_for(window)
+        if self.reads_after_write(caches):
+            return chunk_attention(q, k, stored[1], caches[0], caches[1], self.table, mask, softmax_scale(q, scale))
         keys, values = readable(stored, k.dtype)
         if self.table is not None:
             earlier_keys, earlier_values = read_kv(caches, self.table, k.dtype)
             keys, values = torch.cat((earlier_keys, keys), dim=2), torch.cat((earlier_values, values), dim=2)
-        mask = self.mask_for(window)
-        out = grouped_attention(q, keys, values, mask, scale)
-        write_stored(caches, self.slots, stored)
-        return out
+        return grouped_attention(q, keys, values, mask, scale)
 
 
 @dataclass
@@ -249,7 +269,42 @@ class VerifyContext:
         return out.reshape(rows, cols, heads, dim).transpose(1, 2)
 
 
-AttentionContext = DecodeContext | ChunkContext | VerifyContext
+@dataclass
+class MixedContext:
+    """The mixed graph (``--mixed_batch``): its one row of tokens holds the ``rows`` token-generation rows first, one
+    token each, attending as `DecodeContext` does, then one prefill chunk, attending as `ChunkContext` does. Every
+    column's K/V is written before either part reads (the decode rows and the chunk are different sequences: no column
+    reads a block another one writes, but the scratch block nobody reads)."""
+
+    decode: DecodeContext
+    chunk: ChunkContext
+    rows: int
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        caches: list[torch.Tensor],
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """``q [1, Hq, rows + T, D]`` (``k``, ``v``: ``[1, Hk, rows + T, D]``) -> ``[1, Hq, rows + T, D]``."""
+        b = self.rows
+
+        def decode_rows(x: torch.Tensor) -> torch.Tensor:  # [1, H, rows, D] -> [rows, H, 1, D]
+            return x[:, :, :b].transpose(0, 2)
+
+        chunk_k, chunk_v = k[:, :, b:], v[:, :, b:]
+        write_stored(caches, self.decode.slots, stored_kv(caches, decode_rows(k), decode_rows(v)))
+        stored = stored_kv(caches, chunk_k, chunk_v)
+        write_stored(caches, self.chunk.slots, stored)
+        decoded = self.decode.read(decode_rows(q), caches, window, scale)
+        chunked = self.chunk.read(q[:, :, b:], chunk_k, stored, caches, window, scale)
+        return torch.cat((decoded.transpose(0, 2), chunked), dim=2)
+
+
+AttentionContext = DecodeContext | ChunkContext | VerifyContext | MixedContext
 
 
 @dataclass(frozen=True)
