@@ -30,6 +30,8 @@ from ..artifact import Artifact, allocate_cache, assemble
 from ..backends import get_backend
 from ..errors import InputError
 from ..graphs import (
+    MIXED_CHUNK_INPUTS,
+    MIXED_DECODE_INPUTS,
     GraphCall,
     GraphKind,
     GraphSpec,
@@ -360,7 +362,7 @@ class Engine:
         """The body of `step`, on the work `_plan` accepted."""
         result = StepResult()
         host: HostRows = {}
-        mixing = self._mixable(prefills) if decodes and not proposed else None
+        mixing = self._mixable(prefills) if decodes and prefills and not proposed else None
         if decodes and proposed:
             self._verify(decodes, proposed, result, host)
         elif decodes and mixing is None:
@@ -406,9 +408,8 @@ class Engine:
         logits_graph = any(s.sampler.params.needs_logits for s in decodes)
         spec, window, _ = self._graph(GraphKind.TOKEN_GENERATION, _decode_reach(decodes), logits=logits_graph)
         inputs = self._decode_inputs(by_slot, window)
-        samplers = self._row_samplers(by_slot)
         if spec.samples_on_device:
-            inputs.update(sampling_tensors(samplers, self.config.max_topk))
+            inputs.update(sampling_tensors(self._row_samplers(by_slot), self.config.max_topk))
         if spec.adapters:
             inputs["adapter_ids"] = self._adapter_ids(by_slot)
         out = self._call(spec, inputs)
@@ -528,17 +529,26 @@ class Engine:
         ones). An image-text artifact's call also takes the chunk's image rows."""
         count = len(token_ids)  # the call reads positions [0, start), its own K/V come from the chunk
         spec, window, size = self._graph(self.prefill_kind, start, all_rows=all_rows, tokens=count)
-        ids, positions = pad_chunk(token_ids, start, size)
-        slots = chunk_slots(sequence.blocks, start, count, size, self.block_size)
-        inputs = {"input_ids": ids, "position_ids": positions, "slot_mapping": slots}
+        inputs = self._chunk_inputs(token_ids, start, size, window, sequence)
         if sequence.images is not None:
             inputs.update(self._image_rows(sequence, start, count, size, result))
-        if window:
-            inputs["block_table"] = table_rows([sequence.blocks], window // self.block_size)
         if spec.adapters:
             inputs["adapter_ids"] = torch.tensor([sequence.adapter], dtype=torch.long)
         out = self._call(spec, inputs).float().cpu()
-        return out[actual_tokens_mask(positions)[0]] if all_rows else out
+        return out[actual_tokens_mask(inputs["position_ids"])[0]] if all_rows else out
+
+    def _chunk_inputs(
+        self, token_ids: list[int], start: int, size: int, window: int, sequence: Sequence
+    ) -> dict[str, torch.Tensor]:
+        """A prefill chunk's inputs: ``input_ids``, ``position_ids`` and ``slot_mapping`` ``[1, size]`` of the real
+        tokens ``token_ids`` at cache position ``start`` (`padding.pad_chunk`, `padding.chunk_slots`), and the
+        ``block_table`` of ``sequence``'s blocks in KV window ``window`` (none for a window of 0)."""
+        ids, positions = pad_chunk(token_ids, start, size)
+        slots = chunk_slots(sequence.blocks, start, len(token_ids), size, self.block_size)
+        inputs = {"input_ids": ids, "position_ids": positions, "slot_mapping": slots}
+        if window:
+            inputs["block_table"] = table_rows([sequence.blocks], window // self.block_size)
+        return inputs
 
     def _mixable(self, prefills: list[tuple[Sequence, int]]) -> int | None:
         """Which prefill range's first chunk runs in the mixed graph beside a step's decodes (``--mixed_batch``): the
@@ -560,20 +570,13 @@ class Engine:
         `_decode` runs them) and one chunk of ``sequence``'s real tokens at ``start`` (in its own window, padded as
         `_run_prefill` pads it). The decode rows' logits are sampled on the host with the graph's rule (`_decoded`);
         returns the chunk's last real token's logits ``[1, V]``."""
-        by_slot, count = {_held(s): s for s in decodes}, len(token_ids)
-        reach = _decode_reach(decodes)
-        found = select_graph(self.specs.values(), GraphKind.MIXED, reach=max(reach, start), tokens=count)
+        by_slot, reach = {_held(s): s for s in decodes}, _decode_reach(decodes)
+        found = select_graph(self.specs.values(), GraphKind.MIXED, reach=max(reach, start), tokens=len(token_ids))
         assert found is not None, "the mixed graph covers every window and chunk length"
         span = self.window_spans[found.spec.name]
         inputs = self._decode_inputs(by_slot, exact_window(found, span, reach).window)
-        ids, positions = pad_chunk(token_ids, start, found.tokens)
-        chunk_window = exact_window(found, span, start).window
-        inputs |= {
-            "chunk_ids": ids,
-            "chunk_positions": positions,
-            "chunk_slots": chunk_slots(sequence.blocks, start, count, found.tokens, self.block_size),
-            "chunk_table": table_rows([sequence.blocks], chunk_window // self.block_size),
-        }
+        chunk = self._chunk_inputs(token_ids, start, found.tokens, exact_window(found, span, start).window, sequence)
+        inputs |= {name: chunk[own] for name, own in zip(MIXED_CHUNK_INPUTS, MIXED_DECODE_INPUTS, strict=True)}
         out = self._call(found.spec, inputs).float().cpu()
         rows = self.config.batch_size
         self._decoded(by_slot, result, host, logits=out[:rows])
