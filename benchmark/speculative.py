@@ -5,7 +5,8 @@ speculation; with ``--vllm --draft D``, a draft artifact instead (``{"method": "
 with int8 or int4 weights (``--draft int8`` / ``int4``), or its first N decoder layers under its own norm and LM head
 (``--draft layers:N``, an untrained early exit). There is no smaller model with SmolLM2's tokenizer here.
 
-    .venv/bin/python -m benchmark.speculative [--quick] [--rounds N] [--vllm [--draft int8|int4|layers:N]]
+    .venv/bin/python -m benchmark.speculative [--quick] [--rounds N] [--batches 1,8]
+        [--vllm [--draft int8|int4|layers:N]]
 
 Artifacts: fp32, inductor, S=1024, C=256, ``--speculation_length 6``, batch 1 and batch 8 (one verification graph each).
 Workloads, greedy, a fixed number of new tokens (EOS does not stop them):
@@ -202,6 +203,10 @@ def main() -> None:
     parser.add_argument(
         "--verify-every", action="store_true", help="with --vllm: the worker's gate off (every proposal verified)"
     )
+    parser.add_argument(
+        "--batches",
+        help="comma-separated batch sizes to measure (default 1,8; the results' name then ends in -b<sizes>)",
+    )
     args = parser.parse_args()
     if args.worker:
         spec = json.loads(args.worker)
@@ -212,6 +217,8 @@ def main() -> None:
     from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
 
     batches, lookups, new = ((1,), (0, 4), 32) if args.quick else ((1,) if args.draft else (1, 8), LOOKUPS, args.new)
+    if args.batches:
+        batches = tuple(int(b) for b in args.batches.split(","))
     model_dir = convert_smollm2(default_smollm2_dir("fp32"), dtype="fp32")
     artifacts = {batch: str(export_for(model_dir, batch)) for batch in batches}
     draft = str(draft_for(model_dir, args.draft)) if args.draft else None
@@ -240,7 +247,10 @@ def main() -> None:
         }
     drafted = f"-draft-{args.draft.replace(':', '')}" if args.draft else ""
     everyone = "-every" if args.verify_every else ""
-    name = "speculative" + ("-vllm" if args.vllm else "") + drafted + everyone + ("-quick" if args.quick else "")
+    sized = "-b" + "-".join(map(str, batches)) if args.batches else ""
+    name = (
+        "speculative" + ("-vllm" if args.vllm else "") + drafted + everyone + sized + ("-quick" if args.quick else "")
+    )
     save_results(RESULTS / args.machine / f"{name}.json", body, render(body, batches))
 
 

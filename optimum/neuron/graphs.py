@@ -27,7 +27,9 @@ class GraphKind(str, enum.Enum):
     """``[batch_size, 1]``: one token per KV slot; returns sampled tokens or logits."""
     VERIFICATION = "verification"
     """``[batch_size, speculation_length + 1]``: per KV slot its last token and the tokens proposed after it, at
-    consecutive positions; returns the logits of every column ``[B, K + 1, V]`` (speculative decoding)."""
+    consecutive positions; returns the logits of every column ``[B, K + 1, V]`` (speculative decoding). On the CPU
+    kernels of a symbolic-shape backend its columns are packed instead (`GraphSpec.packed`): ``[1, N]``, each
+    decoding sequence's last token and proposals one after another, ``N`` a symbolic dimension; ``[1, N, V]``."""
     MIXED = "mixed"
     """``--mixed_batch``: the token-generation rows ``[batch_size, 1]`` and one sequence's prefill chunk ``[1, C]`` in
     one call, the decode rows as token generation reads and writes them, the chunk as chunked prefill does; returns the
@@ -82,6 +84,12 @@ class GraphSpec:
     (verification: ``speculation_length + 1``)."""
     adapters: bool = False
     """Multi-LoRA (``--max_loras``): the graph also takes ``adapter_ids [batch]``, each row's adapter slot (last)."""
+    packed: bool = False
+    """Verification with its columns packed in one row (`packed_verification`): ``input_ids``, ``position_ids`` and
+    ``slot_mapping`` ``[1, N]`` hold each decoding sequence's last token and proposed tokens one after another, and
+    ``block_table [N, W / block_size]`` gives each column its sequence's blocks, so a call computes the columns its
+    sequences fill (a sequence proposing nothing: one; a free slot: none), not ``batch_size`` rows as wide as the
+    longest proposal. ``tokens`` is the most columns a call can hold, ``batch_size * (K + 1)``."""
 
     @property
     def name(self) -> str:
@@ -270,6 +278,12 @@ def graph_spec(config: NeuronConfig, kind: GraphKind) -> GraphSpec:
     seq, windows, block = config.sequence_length, config.kv_windows, config.block_size
     if kind is GraphKind.TOKEN_GENERATION:
         return GraphSpec(kind, config.batch_size, 1, config.on_device_sampling, False, windows, seq, block_size=block)
+    if kind is GraphKind.VERIFICATION and packed_verification(config):
+        most = config.batch_size * (config.speculation_length + 1)
+        return GraphSpec(
+            kind, 1, most, False, False, windows, seq, block_size=block,
+            chunks=tuple(range(SMALLEST_VERIFICATION, most + 1)), chunk_size=most, packed=True,
+        )  # fmt: skip
     if kind is GraphKind.VERIFICATION:
         return GraphSpec(
             kind, config.batch_size, config.speculation_length + 1, False, False, windows, seq, block_size=block,
@@ -298,6 +312,14 @@ SMALLEST_VERIFICATION = 2
 """The narrowest verification call: a sequence's last token and one proposed token."""
 
 
+def packed_verification(config: NeuronConfig) -> bool:
+    """Whether the verification graph packs its columns (`GraphSpec.packed`): on a symbolic-shape backend attending
+    with the CPU kernels, where every column already attends on its own (`VerifyContext`), without adapter slots (a
+    LoRA adapter is chosen per row). At batch 8 on SmolLM2, rows padded to the longest proposal computed up to 3x the
+    columns the sequences filled, in linear layers bound by their multiply-adds at that size (docs/speculative.md)."""
+    return config.backend in SYMBOLIC_SHAPE_BACKENDS and config.paged_attention and not config.max_loras
+
+
 def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
     """Per-call inputs of graph ``spec`` (the KV cache is passed separately), valid for tracing: every token writes
     to the scratch block; a graph that reads the cache gets a block table of its largest window (all scratch); the
@@ -309,8 +331,9 @@ def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
     ids = torch.zeros(spec.batch, spec.tokens, dtype=torch.long)
     positions = torch.arange(spec.tokens, dtype=torch.long).expand(spec.batch, -1).contiguous()
     inputs = {"input_ids": ids, "position_ids": positions, "slot_mapping": torch.zeros_like(ids)}
-    if spec.windows:
-        inputs["block_table"] = torch.zeros(spec.batch, max(spec.windows) // spec.block_size, dtype=torch.long)
+    if spec.windows:  # a packed verification graph: one table row per column
+        tables = spec.tokens if spec.packed else spec.batch
+        inputs["block_table"] = torch.zeros(tables, max(spec.windows) // spec.block_size, dtype=torch.long)
     if spec.samples_on_device:
         inputs.update(sampling_inputs(spec.batch))
     if spec.adapters:
@@ -337,16 +360,21 @@ def symbolic_dims(spec: GraphSpec) -> dict[str, object] | None:
     ``block_table``, whole blocks) when the graph serves several, the token columns of a chunk (and of its image rows)
     when it serves several chunk lengths; None when every shape is static."""
     dims: dict[str, object] = {}
+    table: dict[int, object] = {}  # block_table's: its window, and a packed verification graph's row per column
     mixed = spec.kind is GraphKind.MIXED
     if spec.symbolic_window:
         low, high = (min(spec.windows) // spec.block_size, max(spec.windows) // spec.block_size)
-        dims["block_table"] = {1: torch.export.Dim("kv_blocks", min=low, max=high)}
+        table[1] = torch.export.Dim("kv_blocks", min=low, max=high)
         if mixed:  # the chunk's window, apart from the decode rows'
             dims["chunk_table"] = {1: torch.export.Dim("chunk_kv_blocks", min=low, max=high)}
     if spec.symbolic_chunk:
         chunk = torch.export.Dim("chunk", min=min(spec.chunks), max=max(spec.chunks))
         names = ("input_ids", "position_ids", "slot_mapping") + (("image_embeds", "image_mask") if spec.images else ())
         dims.update({name: {1: chunk} for name in (MIXED_CHUNK_INPUTS[:3] if mixed else names)})
+        if spec.packed:
+            table[0] = chunk
+    if table:
+        dims["block_table"] = table
     return dims or None
 
 

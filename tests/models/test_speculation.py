@@ -10,11 +10,14 @@ tokens as without it), `generate(prompt_lookup_num_tokens=k)` and the refusals.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from optimum.neuron.errors import InputError
-from optimum.neuron.graphs import GraphKind
+from optimum.neuron.graphs import GraphKind, GraphSpec, graph_args
+from optimum.neuron.runtime.padding import VerifyRow, packed_verify_rows, verify_rows
 from optimum.neuron.runtime.sampling import SamplingParams
 from optimum.neuron.runtime.speculation import propose_lookup
 from tests.contract.engine_tools import GREEDY, Recorder, engine_for, prompt
@@ -47,7 +50,8 @@ def test_inductor_verification_graph_generates_transformers_tokens() -> None:
 
 
 def verification_widths(recorder: Recorder) -> list[int]:
-    """The columns per row of each verification call, in order (``input_ids [B, C]``)."""
+    """The columns of each verification call, in order (``input_ids [B, C]``, packed ``[1, N]``: one sequence's
+    columns are its row's)."""
     return [args[0].shape[1] for name, args in recorder.calls if name == "verification"]
 
 
@@ -55,8 +59,11 @@ def verification_widths(recorder: Recorder) -> list[int]:
 def test_decodes_with_and_without_proposals_beside_a_prefill(backend: str) -> None:
     """Step 1: ``a`` prefills. Step 2: ``a`` decodes with proposals while ``b`` prefills its first chunk. Then both
     decode in one verification call, ``a`` with proposals and ``b`` without; ``b``'s tokens and ``a``'s equal
-    transformers'."""
+    transformers'. The call is packed (`GraphSpec.packed`): ``b``, proposing nothing, computes one column, and the
+    free slots none."""
     engine = spec_engine("llama", backend)
+    assert engine.specs["verification"].packed
+    recorder = Recorder(engine)
     model = fixture_named(spec_name("llama", backend)).model()
     a_ids, b_ids = prompt(6, seed=61), prompt(12, seed=62)
     a_ref, b_ref = hf_greedy(model, a_ids, 22), hf_greedy(model, b_ids, 6)
@@ -71,8 +78,36 @@ def test_decodes_with_and_without_proposals_beside_a_prefill(backend: str) -> No
     while len(b.generated) < len(b_ref):
         drafts = a_ref[len(a.generated) : len(a.generated) + 1]
         result = engine.step({"a": 1, "b": 1}, drafts={"a": drafts} if drafts else {})
-        assert "b" not in result.accepted and result.width == 1 + len(drafts)
+        assert "b" not in result.accepted
+        if drafts:  # a's last token and proposals, then b's last token
+            assert verification_widths(recorder)[-1] == 2 + len(drafts) and result.width == (2 + len(drafts)) / 2
     assert b.generated == b_ref and a.generated == a_ref[: len(a.generated)]
+
+
+def test_packed_columns_get_the_logits_of_padded_rows() -> None:
+    """The packed verification graph computes each column as a graph of padded rows does: ``a``'s 4 columns then
+    ``b``'s one give bitwise the logits of their rows (eager, the CPU kernels: a linear layer's row and a column's
+    attention depend on that column only), and the padded columns change nothing."""
+    engine = spec_engine("llama", "eager")
+    for seq_id, seed in (("a", 71), ("b", 72)):
+        engine.admit(seq_id, prompt(9, seed=seed), GREEDY, reuse=False)
+        engine.step({seq_id: 9})
+    a, b = engine.sequence("a"), engine.sequence("b")
+    assert a.slot is not None and b.slot is not None
+    engine.placement.ensure(a, 13)  # the blocks of a's 4 columns, as a step gives them
+    rows = {a.slot: VerifyRow([a.tokens[-1], 5, 6, 7], 9, a.blocks), b.slot: VerifyRow([b.tokens[-1]], 9, b.blocks)}
+    packed = engine.specs["verification"]
+    padded = dataclasses.replace(packed, batch=2, tokens=K + 1, chunks=(K + 1,), chunk_size=K + 1, packed=False)
+    width, bs = 16 // engine.block_size, engine.block_size
+
+    def run(spec: GraphSpec, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return engine._module(spec)(*graph_args(GraphKind.VERIFICATION, inputs, engine.kv_cache))
+
+    by_row = run(padded, verify_rows(2, rows, K + 1, width, bs))
+    for columns in (5, 8):
+        by_column = run(packed, packed_verify_rows([rows[a.slot], rows[b.slot]], columns, width, bs))
+        assert by_column.shape[:2] == (1, columns)
+        assert torch.equal(by_column[0, :4], by_row[a.slot]) and torch.equal(by_column[0, 4], by_row[b.slot, 0])
 
 
 def test_seeded_sampling_through_the_verification_graph_draws_the_tokens_it_draws_without() -> None:
@@ -167,10 +202,16 @@ def test_generate_refuses_more_lookup_tokens_than_the_artifact_verifies() -> Non
 def test_verification_graph_signature() -> None:
     engine = spec_engine("llama", "eager")
     spec = engine.specs["verification"]
-    assert spec.kind is GraphKind.VERIFICATION and (spec.batch, spec.tokens) == (2, K + 1)
+    assert spec.kind is GraphKind.VERIFICATION and (spec.batch, spec.tokens) == (1, 2 * (K + 1)) and spec.packed
     assert not spec.samples_on_device and spec.windows == (16, 32)
     from optimum.neuron.config import NeuronConfig
-    from optimum.neuron.graphs import graph_specs
+    from optimum.neuron.graphs import graph_specs, symbolic_dims
+
+    dims = symbolic_dims(spec)
+    assert dims is not None and dims["block_table"][0] is dims["input_ids"][1], "one table row per column"
+    rows = NeuronConfig(sequence_length=32, prefill_chunk_size=8, speculation_length=3, attention_kernel="sdpa")
+    (unpacked,) = [s for s in graph_specs(rows) if s.kind is GraphKind.VERIFICATION]
+    assert (unpacked.batch, unpacked.tokens, unpacked.packed) == (1, K + 1, False), "sdpa: rows, not packed columns"
 
     xla = NeuronConfig(sequence_length=32, prefill_chunk_size=8, kv_buckets="16", speculation_length=2, backend="xla")
     names = [s.name for s in graph_specs(xla) if s.kind is GraphKind.VERIFICATION]

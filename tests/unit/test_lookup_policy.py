@@ -102,3 +102,16 @@ def test_untimed_it_verifies_every_proposal() -> None:
     """Tensor-parallel ranks (``timed=False``): the same decision on every rank, whatever their clocks."""
     policy = LookupPolicy(timed=False, seconds={(1, 1): 0.010, (1, 3): 0.030}, kept={"a": 0.0})
     assert policy.verifies(1, {"a": [5, 6]}) and not policy.verifies(1, {"a": []})
+
+
+def test_a_packed_call_costs_the_columns_its_sequences_fill() -> None:
+    """With a packed verification graph a call's width is its columns per sequence: 8 sequences, 2 of them proposing 2
+    tokens, fill 12 columns, a width of 1.5, costed from the measured widths around it, not as 8 rows of 3."""
+    padded, packed = LookupPolicy(), LookupPolicy(packed=True)
+    assert padded.width(8, [[1, 2], [3, 4]]) == 3 and packed.width(8, [[1, 2], [3, 4]]) == 1.5
+    costs = {(8, 1): 0.020, (8, 2.0): 0.026, (8, 3): 0.060}
+    rows: dict[object, list[int]] = {0: [1, 2], 1: [3, 4], **{i: [] for i in range(2, 8)}}
+    kept = {0: 1.0, 1: 1.0}
+    assert not LookupPolicy(seconds=dict(costs), kept=dict(kept)).verifies(8, rows), "3x a step: 16 tokens to repay"
+    policy = LookupPolicy(seconds=dict(costs), kept=dict(kept), packed=True)
+    assert abs(policy.cost(8, 1.5) - 0.023) < 1e-12 and policy.verifies(8, rows), "1.15x: 1.2 tokens to repay"

@@ -155,7 +155,8 @@ class StaticDecoder(nn.Module):
         last-real-token logits ``[1, V]`` (every column's ``[T, V]`` for an ``all_rows`` graph), splicing ``image_rows``
         in when given; token generation returns logits ``[B, V]`` (sampling is applied by `TokenGenerationGraph`);
         verification, each row's tokens attending like a chunk of its own sequence, returns every column's logits ``[B,
-        K + 1, V]``."""
+        K + 1, V]`` (packed, `GraphSpec.packed`: ``[1, N, V]``, each column reading the blocks of its own row of
+        ``block_table [N, W / block_size]``)."""
         block = spec.block_size
         if spec.kind is GraphKind.TOKEN_GENERATION:
             assert block_table is not None, "token generation reads the cache"
@@ -167,7 +168,7 @@ class StaticDecoder(nn.Module):
             return self._logits(h[:, -1])
         if spec.kind is GraphKind.VERIFICATION and self.paged_attention:
             assert block_table is not None, "verification reads the cache"
-            ctx = VerifyContext.build(position_ids, slot_mapping, block_table, block, self.windows)
+            ctx = VerifyContext.build(position_ids, slot_mapping, block_table, block, self.windows, spec.packed)
         else:
             ctx = ChunkContext.build(position_ids, slot_mapping, block_table, block, self.windows, self.paged_attention)
         with selected_adapters(self.adapter_rows, adapter_ids):

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from functools import partial
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from ..graphs import (
     exact_window,
     graph_args,
     graph_specs,
+    packed_verification,
     prefill_kind,
     select_graph,
 )
@@ -55,6 +57,7 @@ from .padding import (
     VerifyRow,
     chunk_slots,
     decode_rows,
+    packed_verify_rows,
     pad_chunk,
     pad_image_rows,
     pad_tiles,
@@ -458,33 +461,41 @@ class Engine:
             result.decodes.append(sequence.seq_id)
 
     def _verify(self, decodes: list[Sequence], proposed: Drafts, result: StepResult, host: HostRows) -> None:
-        """One verification call for every decoding sequence: row b feeds the last token of the sequence holding slot
-        b and the tokens proposed after it (none for some rows), padded to the narrowest width the graph runs at that
-        holds the longest proposal (`graphs.verification_widths`), then keeps what `speculation.accept` keeps. A row
-        without a decoding sequence writes to the scratch block (invariant 9); a host-sampled sequence (never given
-        drafts) has its first row's logits, the ones the token-generation graph would return, sampled by the
-        HostSampler."""
+        """One verification call for every decoding sequence: its last token and the tokens proposed after it (none for
+        some), each sequence in its row of the graph padded to the narrowest width the graph runs at that holds the
+        longest proposal (`graphs.verification_widths`), or with a packed graph (`GraphSpec.packed`) its columns one
+        after another, padded to the call's columns (`padding.packed_verify_rows`); then keeps what
+        `speculation.accept` keeps. A row without a decoding sequence writes to the scratch block (invariant 9); a
+        host-sampled sequence (never given drafts) has its first column's logits, the ones the token-generation graph
+        would return, sampled by the HostSampler."""
         by_slot = {_held(s): s for s in decodes}
         reach = max(s.computed + len(proposed.get(s.seq_id, ())) + 1 for s in decodes)
-        result.width = 1 + max(len(proposed.get(s.seq_id, ())) for s in decodes)
-        spec, window, columns = self._graph(GraphKind.VERIFICATION, reach, tokens=result.width)
         active = {
             slot: VerifyRow([s.tokens[-1], *proposed.get(s.seq_id, ())], s.computed, s.blocks)
             for slot, s in by_slot.items()
         }
+        filled, widest = sum(len(r.tokens) for r in active.values()), max(len(r.tokens) for r in active.values())
+        packed = packed_verification(self.config)
+        result.width = filled / len(active) if packed else widest
+        spec, window, columns = self._graph(GraphKind.VERIFICATION, reach, tokens=filled if packed else widest)
         width = window // self.block_size
-        inputs = verify_rows(self.config.batch_size, active, columns, width, self.block_size)
+        if spec.packed:
+            inputs = packed_verify_rows(list(active.values()), columns, width, self.block_size)
+        else:
+            inputs = verify_rows(self.config.batch_size, active, columns, width, self.block_size)
         if spec.adapters:
             inputs["adapter_ids"] = self._adapter_ids(by_slot)
-        logits = self._call(spec, inputs).float().cpu()
-        for slot, sequence in by_slot.items():
+        out = self._call(spec, inputs).float().cpu()
+        starts = list(accumulate((len(row.tokens) for row in active.values()), initial=0))
+        for (slot, sequence), start in zip(by_slot.items(), starts, strict=False):
+            logits = out[0, start : start + len(active[slot].tokens)] if spec.packed else out[slot]
             result.decodes.append(sequence.seq_id)
             if sequence.sampler.params.host is not None:
-                host[slot] = (sequence, logits[slot, 0])
+                host[slot] = (sequence, logits[0])
                 sequence.computed += 1
                 continue
             drafts = proposed.get(sequence.seq_id, [])
-            kept = accept(logits[slot], drafts, sequence.sampler, *self._candidate_rule)
+            kept = accept(logits, drafts, sequence.sampler, *self._candidate_rule)
             for token, row in kept:
                 result.append(sequence, token, row)
             sequence.computed += len(kept)

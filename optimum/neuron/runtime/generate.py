@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InputError
+from ..graphs import packed_verification
 from .engine import Engine
 from .images import ImageInput
 from .logprobs import Logprobs
@@ -74,7 +75,8 @@ def generate(
             for row, p in enumerate(prompts)
         ]
         work = {s.seq_id: s.pending for s in sequences}
-        lookup = _Lookup(prompt_lookup, LookupPolicy(timed=engine.config.tp_degree == 1)) if prompt_lookup else None
+        policy = LookupPolicy(timed=engine.config.tp_degree == 1, packed=packed_verification(engine.config))
+        lookup = _Lookup(prompt_lookup, policy) if prompt_lookup else None
         while work:
             start = time.perf_counter()
             result = engine.step(work, drafts=lookup.drafts if lookup else {})

@@ -23,26 +23,29 @@ sequence is verified first once its unverified proposals say it would keep more 
 @dataclass
 class LookupPolicy:
     """Whether a decode step verifies the tokens prompt lookup proposed, by what was measured while serving. A step of
-    ``rows`` decoding sequences, some of them with proposals, either runs the token-generation graph (``rows`` tokens
-    in time ``t(rows, 1)``) or one verification call as wide as its longest proposal plus one (``rows`` tokens plus the
-    kept proposals in ``t(rows, width)``). It verifies when the proposals it expects to keep, the sum of each proposing
-    sequence's running mean of kept tokens per verification, exceed ``rows * (t(rows, width) / t(rows, 1) - 1)``: the
-    tokens per second are then higher (vLLM's continuous batching, where no request waits for another:
-    `vllm.drafting.DraftGate`). A call that returns when its last sequence is done (`generate`) counts steps instead:
-    a verification shortens it only by what the sequences furthest from done keep, so it verifies when the least that
-    one of them is expected to keep exceeds ``t(rows, width) / t(rows, 1) - 1`` (the same rule for one sequence). Step
-    times are running means per (rows, width), measured by `record`; an unmeasured width costs what the nearest
-    measured one does, scaled by its columns past the first (`cost`), and before any is, it is taken as `COST_PRIOR`
-    times a step (which is measured first). After `PROBE_EVERY` steps with proposals, then twice as many and so on
-    (times the cost ratio when the probe is a verification), a step runs the option the rule did not pick. At batch 1
-    on SmolLM2 a verification call costs ~1.2x a step and verifying pays for any sequence that keeps a fifth of a
-    token; at batch 8 it costs 1.6-3x (docs/speculative.md), more than a chat reply's proposals keep. The tokens are
-    the same either way (`accept`): only the number of steps changes."""
+    ``rows`` decoding sequences, some of them with proposals, either runs the token-generation graph (``rows`` tokens in
+    time ``t(rows, 1)``) or one verification call as wide as its longest proposal plus one, or packed, of as many
+    columns per sequence as they fill (`width`) (``rows`` tokens plus the kept proposals in ``t(rows, width)``). It
+    verifies when the proposals it expects to keep, the sum of each proposing sequence's running mean of kept tokens per
+    verification, exceed ``rows * (t(rows, width) / t(rows, 1) - 1)``: the tokens per second are then higher (vLLM's
+    continuous batching, where no request waits for another: `vllm.drafting.DraftGate`). A call that returns when its
+    last sequence is done (`generate`) counts steps instead: a verification shortens it only by what the sequences
+    furthest from done keep, so it verifies when the least that one of them is expected to keep exceeds ``t(rows, width)
+    / t(rows, 1) - 1`` (the same rule for one sequence). Step times are running means per (rows, width), measured by
+    `record`; an unmeasured width costs what the nearest measured one does, scaled by its columns past the first
+    (`cost`), and before any is, it is taken as `COST_PRIOR` times a step (which is measured first). After `PROBE_EVERY`
+    steps with proposals, then twice as many and so on (times the cost ratio when the probe is a verification), a step
+    runs the option the rule did not pick. At batch 1 on SmolLM2 a verification call costs ~1.2x a step and verifying
+    pays for any sequence that keeps a fifth of a token; at batch 8 it costs 1.6-3x (docs/speculative.md), more than a
+    chat reply's proposals keep. The tokens are the same either way (`accept`): only the number of steps changes."""
 
     timed: bool = True
     """False: verify every proposal. Tensor-parallel ranks each run this loop in lockstep and must call the same
     graphs, which decisions from each rank's own clock would not guarantee."""
-    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    packed: bool = False
+    """The verification graph packs its columns (`graphs.packed_verification`): a call computes the columns its
+    sequences fill, so its width is measured as those columns per sequence (`width`), not as its longest row."""
+    seconds: dict[tuple[int, float], float] = field(default_factory=dict)
     """Running mean of a decode step's seconds by (decoding sequences, columns per row)."""
     kept: dict[Hashable, float] = field(default_factory=dict)
     """Running mean of the proposed tokens each sequence kept per verification."""
@@ -65,7 +68,7 @@ class LookupPolicy:
         step = self.seconds.get((rows, 1))
         if not proposing or step is None:
             return False  # nothing to verify, or the token-generation step is not measured yet
-        verify = self.cost(rows, 1 + max(len(proposals[s]) for s in proposing))
+        verify = self.cost(rows, self.width(rows, [proposals[s] for s in proposing]))
         extra = (COST_PRIOR if verify is None else verify / step) - 1
         if behind:
             gain = min(self.kept.get(s, KEPT_PRIOR) if proposals.get(s) else 0.0 for s in behind)
@@ -85,7 +88,15 @@ class LookupPolicy:
         self.waited = 0
         return not pays
 
-    def cost(self, rows: int, width: int) -> float | None:
+    def width(self, rows: int, proposals: Sequence[Sequence[int]]) -> float:
+        """The columns per sequence of a verification call of ``rows`` sequences verifying ``proposals`` (the non-empty
+        ones), as the engine reports it (`StepResult.width`): its longest proposal plus one, or packed, every
+        sequence's last token and proposed tokens over ``rows``."""
+        if self.packed:
+            return (rows + sum(map(len, proposals))) / rows
+        return 1 + max(map(len, proposals))
+
+    def cost(self, rows: int, width: float) -> float | None:
         """The expected seconds of a verification call of ``rows`` sequences at ``width`` columns: measured, else the
         nearest measured width's extra time over a token-generation step scaled by ``(width - 1) / (nearest - 1)``;
         None when no width of ``rows`` sequences (or their token-generation step) was measured."""
@@ -98,7 +109,7 @@ class LookupPolicy:
         nearest = min(known, key=lambda w: (abs(w - width), w))
         return step + (self.seconds[(rows, nearest)] - step) * (width - 1) / (nearest - 1)
 
-    def record(self, rows: int, width: int, seconds: float, kept: Mapping[Hashable, int]) -> None:
+    def record(self, rows: int, width: float, seconds: float, kept: Mapping[Hashable, int]) -> None:
         """A decode step of ``rows`` sequences at ``width`` columns per row (1: token generation) took ``seconds``;
         ``kept``: the proposed tokens each sequence that proposed kept."""
         self.seconds[(rows, width)] = _running(self.seconds.get((rows, width)), seconds)

@@ -121,6 +121,36 @@ def verify_rows(
     }
 
 
+def packed_verify_rows(
+    active: Sequence[VerifyRow], columns: int, width: int, block_size: int
+) -> dict[str, torch.Tensor]:
+    """Inputs of the packed verification graph (`GraphSpec.packed`: ``input_ids``, ``position_ids``, ``slot_mapping``
+    ``[1, columns]`` and ``block_table [columns, width]``): the columns of ``active[0]``'s tokens at their positions,
+    then ``active[1]``'s and so on, each column with its sequence's blocks; the columns past them (up to the call's
+    ``columns``) are token 0 at position 0, written to and reading only the scratch block, as `verify_rows` fills a
+    row without a sequence (invariant 9)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    owner: list[int] = []  # each column's row of `tables`
+    for index, (tokens, position, blocks) in enumerate(active):
+        span = range(position, position + len(tokens))
+        ids.extend(tokens)
+        positions.extend(span)
+        slots.extend(slots_of(blocks, span, block_size))
+        owner.extend([index] * len(tokens))
+    fill = columns - len(ids)
+    if fill < 0:
+        raise InputError(f"a verification call of {columns} columns cannot hold {len(ids)} tokens.")
+    tables = table_rows([*(row.blocks for row in active), None], width)
+    return {
+        "input_ids": torch.tensor([ids + [0] * fill], dtype=torch.long),
+        "position_ids": torch.tensor([positions + [0] * fill], dtype=torch.long),
+        "slot_mapping": torch.tensor([slots + [SCRATCH_SLOT] * fill], dtype=torch.long),
+        "block_table": tables[torch.tensor(owner + [len(active)] * fill, dtype=torch.long)],
+    }
+
+
 def pad_tiles(pixels: torch.Tensor, size: int) -> list[torch.Tensor]:
     """An image's tiles ``[t, 3, S, S]`` in vision-encoder batches of ``size`` tiles, the last one filled with zero
     tiles: tiles never see each other, so a filler tile changes no real tile's rows (the caller drops its rows)."""

@@ -98,8 +98,10 @@ class StepResult:
     step are those, then the one in ``tokens``)."""
     decodes: list[SeqId] = field(default_factory=list)
     """Sequences fed through the token-generation (or verification) graph, in row order."""
-    width: int = 1
-    """Columns per row of the decode call: 1 + the longest proposal it verified, 1 for token generation."""
+    width: float = 1
+    """Columns per decoding sequence of the decode call: 1 + the longest proposal it verified (with a packed
+    verification graph, `GraphSpec.packed`: the columns the sequences filled over their count), 1 for token
+    generation."""
     mixed: bool = False
     """Whether the decodes ran in the mixed graph, beside the first chunk of the first prefill range
     (``--mixed_batch``), instead of a token-generation call of their own."""

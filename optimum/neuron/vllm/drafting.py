@@ -42,11 +42,12 @@ def draftable(engine: Engine, req_id: str, k: int) -> tuple[list[int], int]:
     return (list(sequence.tokens), most) if most else ([], 0)
 
 
-def gate_for(vllm_config: Any, drafter: NgramDrafter | ModelDrafter | None) -> DraftGate | None:
-    """The gate of an n-gram drafter (`DraftGate`), unless ``--additional-config '{"verify_every_proposal": true}'``
-    asks for every proposal to be verified (a draft model's always are)."""
+def gate_for(vllm_config: Any, drafter: NgramDrafter | ModelDrafter | None, packed: bool = False) -> DraftGate | None:
+    """The gate of an n-gram drafter (`DraftGate`; ``packed``: the artifact's verification graph packs its columns),
+    unless ``--additional-config '{"verify_every_proposal": true}'`` asks for every proposal to be verified (a draft
+    model's always are)."""
     every = (vllm_config.additional_config or {}).get(VERIFY_EVERY, False)
-    return DraftGate() if isinstance(drafter, NgramDrafter) and not every else None
+    return DraftGate(packed) if isinstance(drafter, NgramDrafter) and not every else None
 
 
 def drafter_for(vllm_config: Any, rank: int) -> NgramDrafter | ModelDrafter | None:
@@ -102,8 +103,9 @@ class DraftGate:
     policy what it would have kept, by the token its request sampled instead. Prompt lookup's own cost is small; a
     draft model's is not, and it is not gated: its proposals are always verified."""
 
-    def __init__(self) -> None:
-        self.policy = LookupPolicy()
+    def __init__(self, packed: bool = False) -> None:
+        """``packed``: the verification graph packs its columns (`graphs.packed_verification`)."""
+        self.policy = LookupPolicy(packed=packed)
         self.withheld: dict[str, list[int]] = {}
         """The proposals held back from the next step."""
 

@@ -64,8 +64,8 @@ class StepOutput:
     """The proposed tokens each request whose proposal was verified kept."""
     decodes: int = 0
     """Requests the step decoded (a proposal's verification counts as one)."""
-    width: int = 1
-    """Columns per row of the decode call (`StepResult.width`)."""
+    width: float = 1
+    """Columns per decoding request of the decode call (`StepResult.width`)."""
     prefilled: bool = False
     """Whether the step also fed prompt tokens."""
 

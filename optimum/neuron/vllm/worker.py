@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..artifact import Artifact
+from ..graphs import packed_verification
 from ..modeling import NeuronModelForCausalLM
 from ..models.layers.kv_cache import cache_bytes, tensors_per_layer
 from ..runtime.engine import Engine
@@ -71,7 +72,7 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
         lora = getattr(self.vllm_config, "lora_config", None)  # None without --enable-lora
         self.runner = Runner(engine, cpu_loras=(lora.max_cpu_loras or 0) if lora is not None else 0)
         self.drafter = drafter_for(self.vllm_config, engine.rank)
-        self.gate = gate_for(self.vllm_config, self.drafter)
+        self.gate = gate_for(self.vllm_config, self.drafter, packed_verification(engine.config))
         c = artifact.config
         logger.info(
             "optimum-neuronx serving %s (rank %d of %d): backend=%s device=%s graphs=%s batch_size=%d "

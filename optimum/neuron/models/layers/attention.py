@@ -245,9 +245,14 @@ class VerifyContext:
         table: torch.Tensor,
         block_size: int,
         windows: Iterable[int] = (),
+        packed: bool = False,
     ) -> VerifyContext:
+        """``table``: a row's blocks per row ``[B, W / block_size]``, or with ``packed`` (``B = 1``, the columns of
+        every sequence one after another: `GraphSpec.packed`) a column's blocks per column ``[C, W / block_size]``."""
         rows, cols = position_ids.shape
-        per_column = table[:, None, :].expand(rows, cols, table.shape[1]).reshape(rows * cols, table.shape[1])
+        per_column = table
+        if not packed:
+            per_column = table[:, None, :].expand(rows, cols, table.shape[1]).reshape(rows * cols, table.shape[1])
         flat = position_ids.reshape(rows * cols, 1)
         columns = DecodeContext.build(flat, slots.reshape(rows * cols, 1), per_column, block_size, windows, True)
         return cls(slots, columns)
