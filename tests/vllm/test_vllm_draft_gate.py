@@ -61,3 +61,17 @@ def test_a_step_that_prefills_is_not_timed_and_finished_requests_are_forgotten()
     assert gate.policy.seconds == {} and gate.policy.kept["r0"] > 0.5, "its verification's kept tokens still count"
     gate.observe(step(finished=("r0",)), output([3]), 0.02)
     assert "r0" not in gate.policy.kept and "r1" in gate.policy.kept
+
+
+def test_with_packed_columns_only_the_proposals_worth_their_columns_pass() -> None:
+    """Packed verification columns: each proposal costs its own columns, so the requests whose proposals have kept
+    their tokens are verified and the others withheld (the rows layout verifies all or none)."""
+    seconds = {(8, 1): 0.020, (8, 1.5): 0.022, (8, 3.0): 0.040}
+    kept = {"r0": 2.0, "r1": 2.0, **{r: 0.0 for r in IDS[2:]}}
+    packed, rows = DraftGate(packed=True), DraftGate()
+    for gate in (packed, rows):
+        gate.policy.seconds, gate.policy.kept = dict(seconds), dict(kept)
+    given = packed.admit(proposals([7, 8]))
+    assert given.draft_token_ids == [[7, 8], [7, 8]] + [[]] * 6, "r0 and r1: 4 tokens for 0.1 of a step x 8 rows"
+    assert packed.withheld == {r: [7, 8] for r in IDS[2:]}
+    assert rows.admit(proposals([7, 8])).draft_token_ids == [[]] * 8, "all 8 rows at 2x a step for 4 tokens: none"

@@ -33,11 +33,12 @@ class LookupPolicy:
     furthest from done keep, so it verifies when the least that one of them is expected to keep exceeds ``t(rows, width)
     / t(rows, 1) - 1`` (the same rule for one sequence). Step times are running means per (rows, width), measured by
     `record`; an unmeasured width costs what the nearest measured one does, scaled by its columns past the first
-    (`cost`), and before any is, it is taken as `COST_PRIOR` times a step (which is measured first). After `PROBE_EVERY`
-    steps with proposals, then twice as many and so on (times the cost ratio when the probe is a verification), a step
-    runs the option the rule did not pick. At batch 1 on SmolLM2 a verification call costs ~1.2x a step and verifying
-    pays for any sequence that keeps a fifth of a token; at batch 8 it costs 1.6-3x (docs/speculative.md), more than a
-    chat reply's proposals keep. The tokens are the same either way (`accept`): only the number of steps changes."""
+    (`cost`), and before any is, it is taken as `COST_PRIOR` times a step (which is measured first; packed, its excess
+    per column: `extra`). After `PROBE_EVERY` steps with proposals, then twice as many and so on (times the cost ratio
+    when the probe is a verification), a step runs the option the rule did not pick. At batch 1 on SmolLM2 a
+    verification call costs ~1.2x a step and verifying pays for any sequence that keeps a fifth of a token; at batch 8
+    it costs 1.6-3x (docs/speculative.md), more than a chat reply's proposals keep. The tokens are the same either way
+    (`accept`): only the number of steps changes."""
 
     timed: bool = True
     """False: verify every proposal. Tensor-parallel ranks each run this loop in lockstep and must call the same
@@ -68,8 +69,7 @@ class LookupPolicy:
         step = self.seconds.get((rows, 1))
         if not proposing or step is None:
             return False  # nothing to verify, or the token-generation step is not measured yet
-        verify = self.cost(rows, self.width(rows, [proposals[s] for s in proposing]))
-        extra = (COST_PRIOR if verify is None else verify / step) - 1
+        extra = self.extra(rows, self.width(rows, [proposals[s] for s in proposing]), step)
         if behind:
             gain = min(self.kept.get(s, KEPT_PRIOR) if proposals.get(s) else 0.0 for s in behind)
             pays = gain > extra
@@ -88,6 +88,26 @@ class LookupPolicy:
         self.waited = 0
         return not pays
 
+    def chosen(self, rows: int, proposals: Mapping[Hashable, Sequence[int]]) -> set[Hashable]:
+        """The sequences whose proposals the next decode step of ``rows`` sequences verifies, by the throughput rule
+        (empty: a token-generation step). With packed columns each proposal costs its own columns, so the step
+        verifies the proposals whose expected kept tokens per proposed token are highest, as many of them as gain the
+        most over the call's cost (`cost` at their width); the rows layout costs the same for one proposal as for all,
+        and verifies all or none. `verifies` then decides (and probes) on that set; with none worth it, on all."""
+        proposing = [seq_id for seq_id, p in proposals.items() if p]
+        step = self.seconds.get((rows, 1))
+        best: list[Hashable] = []
+        if self.packed and self.timed and step is not None:
+            ranked = sorted(proposing, key=lambda s: -self.kept.get(s, KEPT_PRIOR) / len(proposals[s]))
+            value = 0.0
+            for count in range(1, len(ranked) + 1):
+                extra = self.extra(rows, self.width(rows, [proposals[s] for s in ranked[:count]]), step)
+                gain = sum(self.kept.get(s, KEPT_PRIOR) for s in ranked[:count]) - rows * extra
+                if gain > value:
+                    best, value = ranked[:count], gain
+        picked = best or proposing
+        return set(picked) if self.verifies(rows, {s: proposals[s] for s in picked}) else set()
+
     def width(self, rows: int, proposals: Sequence[Sequence[int]]) -> float:
         """The columns per sequence of a verification call of ``rows`` sequences verifying ``proposals`` (the non-empty
         ones), as the engine reports it (`StepResult.width`): its longest proposal plus one, or packed, every
@@ -95,6 +115,15 @@ class LookupPolicy:
         if self.packed:
             return (rows + sum(map(len, proposals))) / rows
         return 1 + max(map(len, proposals))
+
+    def extra(self, rows: int, width: float, step: float) -> float:
+        """A verification call's expected time past a token-generation step of ``step`` seconds, in steps: from
+        `cost`, else from `COST_PRIOR` (packed columns: its excess per column past each sequence's first, so a call
+        verifying few proposals is expected to cost little)."""
+        verify = self.cost(rows, width)
+        if verify is not None:
+            return verify / step - 1
+        return (COST_PRIOR - 1) * ((width - 1) if self.packed else 1)
 
     def cost(self, rows: int, width: float) -> float | None:
         """The expected seconds of a verification call of ``rows`` sequences at ``width`` columns: measured, else the

@@ -124,13 +124,16 @@ class DraftGate:
         self.withheld = {}
 
     def admit(self, drafts: Any) -> Any:
-        """``drafts`` (vLLM's ``DraftTokenIds``), or the same requests with no proposals when verifying them would not
-        pay."""
+        """``drafts`` (vLLM's ``DraftTokenIds``) with the proposals the policy verifies (`LookupPolicy.chosen`: all or
+        none, or with packed columns those worth their columns); the others are withheld."""
         proposals = dict(zip(drafts.req_ids, drafts.draft_token_ids, strict=True))
-        if self.policy.verifies(len(proposals), proposals):
+        chosen = self.policy.chosen(len(proposals), proposals)
+        self.withheld = {r: list(p) for r, p in proposals.items() if p and r not in chosen}
+        if not self.withheld:
             return drafts
-        self.withheld = {r: list(p) for r, p in proposals.items() if p}
-        return compat.draft_token_ids(list(drafts.req_ids), [[] for _ in drafts.req_ids])
+        return compat.draft_token_ids(
+            list(drafts.req_ids), [list(p) if r in chosen else [] for r, p in proposals.items()]
+        )
 
 
 GREEDY = SamplingParams()
