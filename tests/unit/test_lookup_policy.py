@@ -116,5 +116,6 @@ def test_a_packed_call_costs_the_columns_its_sequences_fill() -> None:
     policy = LookupPolicy(seconds=dict(costs), kept=dict(kept), packed=True)
     assert abs(policy.cost(8, 1.5) - 0.023) < 1e-12 and policy.verifies(8, rows), "1.15x: 1.2 tokens to repay"
     unmeasured = LookupPolicy(seconds={(8, 1): 0.020}, packed=True)
-    assert abs(unmeasured.extra(8, 1.25, 0.020) - 0.125) < 1e-12, "the prior's excess per column: 2 columns of 8 rows"
+    assert abs(unmeasured.extra(8, 1.25, 0.020) - 0.125) < 1e-12, "the prior's excess scaled: 2 columns of 8 rows"
+    assert unmeasured.extra(8, 3.0, 0.020) == 0.5, "at most the rows layout's prior"
     assert LookupPolicy(seconds={(8, 1): 0.020}).extra(8, 3, 0.020) == 0.5, "rows: the prior whatever the width"

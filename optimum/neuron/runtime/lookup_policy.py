@@ -33,9 +33,9 @@ class LookupPolicy:
     furthest from done keep, so it verifies when the least that one of them is expected to keep exceeds ``t(rows, width)
     / t(rows, 1) - 1`` (the same rule for one sequence). Step times are running means per (rows, width), measured by
     `record`; an unmeasured width costs what the nearest measured one does, scaled by its columns past the first
-    (`cost`), and before any is, it is taken as `COST_PRIOR` times a step (which is measured first; packed, its excess
-    per column: `extra`). After `PROBE_EVERY` steps with proposals, then twice as many and so on (times the cost ratio
-    when the probe is a verification), a step runs the option the rule did not pick. At batch 1 on SmolLM2 a
+    (`cost`), and before any is, it is taken as `COST_PRIOR` times a step (which is measured first; packed, less for a
+    call of a few proposals: `extra`). After `PROBE_EVERY` steps with proposals, then twice as many and so on (times the
+    cost ratio when the probe is a verification), a step runs the option the rule did not pick. At batch 1 on SmolLM2 a
     verification call costs ~1.2x a step and verifying pays for any sequence that keeps a fifth of a token; at batch 8
     it costs 1.6-3x (docs/speculative.md), more than a chat reply's proposals keep. The tokens are the same either way
     (`accept`): only the number of steps changes."""
@@ -118,12 +118,12 @@ class LookupPolicy:
 
     def extra(self, rows: int, width: float, step: float) -> float:
         """A verification call's expected time past a token-generation step of ``step`` seconds, in steps: from
-        `cost`, else from `COST_PRIOR` (packed columns: its excess per column past each sequence's first, so a call
-        verifying few proposals is expected to cost little)."""
+        `cost`, else `COST_PRIOR`'s excess (packed columns: scaled by the columns per sequence past the first, up to
+        one, so a call verifying a few proposals is expected to cost that much less)."""
         verify = self.cost(rows, width)
         if verify is not None:
             return verify / step - 1
-        return (COST_PRIOR - 1) * ((width - 1) if self.packed else 1)
+        return (COST_PRIOR - 1) * (min(1.0, width - 1) if self.packed else 1)
 
     def cost(self, rows: int, width: float) -> float | None:
         """The expected seconds of a verification call of ``rows`` sequences at ``width`` columns: measured, else the
