@@ -238,6 +238,7 @@ def main() -> None:
                     samples.setdefault(f"{workload} b{batch} k{lookup}", []).append(found)
     body = {"machine": describe(), "rounds": args.rounds, "new": new, "lookups": list(lookups), "cells": {}}
     body["vllm"], body["draft"], body["verify_every"] = args.vllm, args.draft, args.verify_every
+    body["batches"] = list(batches) if args.batches else None
     for key, runs in samples.items():
         body["cells"][key] = {
             "tok_s": statistics.median(r["tok_s"] for r in runs),
@@ -269,6 +270,8 @@ def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
         through, title = f"`vllm.LLM`, the draft artifact `{draft}` of SmolLM2", "Draft-model speculative decoding"
     flags = (" --vllm" if vllm else "") + (f" --draft {draft}" if draft else "")
     flags += " --verify-every" if body.get("verify_every") else ""
+    flags += f" --batches {','.join(map(str, body['batches']))}" if body.get("batches") else ""
+    flags += f" --rounds {body['rounds']}" if body.get("rounds", 1) > 1 else ""
     if vllm and not draft:
         through += " with every proposal verified" if body.get("verify_every") else ", gated by `DraftGate`"
     lines = [
