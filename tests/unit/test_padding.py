@@ -12,8 +12,10 @@ from optimum.neuron.models.layers.kv_cache import SCRATCH_BLOCK
 from optimum.neuron.runtime.padding import (
     SCRATCH_SLOT,
     DecodeRow,
+    VerifyRow,
     chunk_slots,
     decode_rows,
+    packed_verify_rows,
     pad_chunk,
     slots_of,
     split_chunks,
@@ -112,3 +114,18 @@ def test_decode_rows_with_nothing_to_decode_touch_only_the_scratch_block() -> No
     rows = decode_rows(2, {}, width=3, block_size=BLOCK)
     assert rows["input_ids"][:, 0].tolist() == [0, 0] and rows["slot_mapping"][:, 0].tolist() == [SCRATCH_SLOT] * 2
     assert (rows["block_table"] == SCRATCH_BLOCK).all() and rows["block_table"].shape == (2, 3)
+
+
+def test_packed_verify_rows_put_each_sequence_after_the_last_with_its_own_table() -> None:
+    """A sequence proposing 2 tokens at positions 3-5 across its block seam, then one proposing none: 4 columns, each
+    with its sequence's blocks; the columns past them write to and read only the scratch block (invariant 9)."""
+    rows = [VerifyRow([7, 8, 9], 3, [5, 6]), VerifyRow([4], 1, [2])]
+    packed = packed_verify_rows(rows, 6, width=2, block_size=BLOCK)
+    assert packed["input_ids"].tolist() == [[7, 8, 9, 4, 0, 0]]
+    assert packed["position_ids"].tolist() == [[3, 4, 5, 1, 0, 0]]
+    real = [5 * BLOCK + 3, 6 * BLOCK, 6 * BLOCK + 1, 2 * BLOCK + 1]
+    assert packed["slot_mapping"].tolist() == [real + [SCRATCH_SLOT] * 2]
+    scratch = [SCRATCH_BLOCK] * 2
+    assert packed["block_table"].tolist() == [[5, 6]] * 3 + [[2, SCRATCH_BLOCK]] + [scratch] * 2
+    with pytest.raises(InputError, match="cannot hold 4 tokens"):
+        packed_verify_rows(rows, 3, width=2, block_size=BLOCK)
