@@ -35,8 +35,9 @@ class ServerProcess:
     log: Path
     pid: int = 0
     """The `vllm serve` process (its process group's leader)."""
-    left_behind: list[int] = field(default_factory=list)
-    """Pids still alive after the graceful stop (then killed); filled when `serving` exits."""
+    left_behind: list[str] = field(default_factory=list)
+    """The processes still running after the graceful stop (then killed), each as ``pid name (status, parent
+    ppid)``; filled when `serving` exits."""
     returncode: int | None = None
     """The exit status of `vllm serve`; filled when `serving` exits (0 after a graceful stop)."""
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
@@ -85,24 +86,54 @@ def _wait_healthy(proc: subprocess.Popen[bytes], server: ServerProcess, timeout_
         time.sleep(0.5)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> list[int]:
-    """SIGTERM the process group, wait, SIGKILL what is left; the pids that outlived the SIGTERM (`proc` is waited
-    for: its ``returncode`` is set)."""
+GRACE_S = 60.0
+"""How long a graceful stop may take before what is left is killed."""
+
+
+def _exited(process: psutil.Process) -> bool:
+    """Whether ``process`` has ended: gone, or a zombie (ended, its status not yet collected by its parent)."""
     try:
-        root = psutil.Process(proc.pid)
-        group = [root, *root.children(recursive=True)]
+        return bool(process.status() == psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
-        group = []
+        return True
+
+
+def _describe(process: psutil.Process) -> str:
+    """``pid name (status, parent ppid)`` of a process that outlived the graceful stop, for the failure message."""
+    try:
+        with process.oneshot():
+            return f"{process.pid} {process.name()} ({process.status()}, parent {process.ppid()})"
+    except psutil.NoSuchProcess:
+        return f"{process.pid} (ended while described)"
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> list[str]:
+    """SIGTERM the process group, wait up to `GRACE_S` for every process of the tree to end, SIGKILL what is left;
+    the processes that outlived the SIGTERM, described. `proc` itself is waited for by ``Popen`` (its ``returncode``
+    is the real exit status: psutil must not collect it first), its descendants by psutil."""
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    _, alive = psutil.wait_procs(group, timeout=60)
+    deadline = time.monotonic() + GRACE_S
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(GRACE_S)
+    alive = [p for p in descendants if not _exited(p)]
+    while alive and time.monotonic() < deadline:
+        psutil.wait_procs(alive, timeout=0.5)
+        alive = [p for p in alive if not _exited(p)]
+    left = ([] if proc.returncode is not None else [_describe(psutil.Process(proc.pid))]) + [
+        _describe(p) for p in alive
+    ]
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left (the engine core)
     for stray in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             stray.kill()
     proc.wait()
-    return [p.pid for p in alive]
+    return left
 
 
 @contextlib.contextmanager

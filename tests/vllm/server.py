@@ -106,5 +106,15 @@ def vllm_serve(artifact: Path, log: Path, *flags: str, exit_status: int = 0) -> 
     expects `supervision.ENGINE_DIED_EXIT_CODE`)."""
     with serving(artifact, log, *flags, timeout_s=STARTUP_SECONDS) as process:
         yield Server(process)
-    assert not process.left_behind, f"vllm serve left processes behind: {process.left_behind}"
+    assert not process.left_behind, (
+        f"vllm serve left processes behind: {process.left_behind}; its shutdown log:\n{_shutdown_lines(log)}"
+    )
     assert process.returncode == exit_status, f"vllm serve exited with {process.returncode}, not {exit_status}"
+
+
+def _shutdown_lines(log: Path, lines: int = 40) -> str:
+    """``lines`` lines of a server log from its first ``[shutdown]`` line on (what each process did while
+    the server stopped)."""
+    text = log.read_text(errors="replace").splitlines()
+    start = next((i for i, line in enumerate(text) if "[shutdown]" in line), max(0, len(text) - lines))
+    return "\n".join(text[start : start + lines])
