@@ -17,8 +17,10 @@ def test_it_measures_a_step_then_verifies_once_the_proposals_look_right() -> Non
     assert not policy.verifies(1, {"a": [5, 6]}), "a token-generation step is measured first"
     policy.record(1, 1, 0.010, {})
     assert not policy.verifies(1, {"a": [5, 6]}), f"{KEPT_PRIOR} expected kept tokens: not above COST_PRIOR - 1"
-    policy.record_unverified("a", [5, 6], generated=5)
-    assert policy.verifies(1, {"a": [5, 6]}), "its first proposed token was right: a verification is tried"
+    policy.withhold("a", [5, 6])
+    policy.generated("a", [5])
+    policy.generated("a", [6])
+    assert policy.verifies(1, {"a": [5, 6]}), "it generated both proposed tokens: a verification is tried"
     policy.record(1, 3, 0.012, {"a": 2})
     assert not policy.verifies(2, {"a": [5], "b": [6]}), "two sequences: their token-generation step first"
 
@@ -69,15 +71,28 @@ def test_measurements_are_running_means() -> None:
     assert policy.kept["a"] > KEPT_PRIOR > policy.kept["b"]
 
 
-def test_a_proposal_left_unverified_still_informs_the_mean() -> None:
-    """Not verified, a proposal whose first token is the one generated would have kept at least one token."""
+def test_a_proposal_left_unverified_counts_what_it_would_have_kept() -> None:
+    """Not verified, a proposal counts the leading tokens its sequence then generated: settled at the first
+    difference or once as many were generated, one withheld proposal per sequence at a time."""
     policy = LookupPolicy(seconds={(1, 1): 0.010, (1, 3): 0.012}, kept={"a": 0.1})
-    assert not policy.verifies(1, {"a": [5, 6]})
-    policy.record_unverified("a", [5, 6], generated=5)
-    assert policy.kept["a"] > 0.2 and policy.verifies(1, {"a": [5, 6]})
-    policy.record_unverified("a", [7, 8], generated=9)
-    policy.record_unverified("a", [], generated=9)  # no proposal: nothing learned
-    assert 0.1 < policy.kept["a"] < 0.4
+    assert not policy.verifies(1, {"a": [5, 6, 7]})
+    policy.withhold("a", [5, 6, 7])
+    policy.withhold("a", [6, 7, 8])  # a later proposal while the first is unsettled: not followed
+    policy.generated("a", [5])
+    policy.generated("a", [6])
+    assert policy.kept["a"] == 0.1, "2 of 3 tokens matched so far: not settled"
+    policy.generated("a", [7])
+    assert policy.kept["a"] == 0.1 + 0.3 * (3 - 0.1) and "a" not in policy.pending, "all 3 would have been kept"
+    assert policy.verifies(1, {"a": [5, 6]})
+    policy.withhold("a", [7, 8])
+    policy.generated("a", [9, 9])  # a step that verified something else: several tokens at once
+    assert policy.kept["a"] < 0.1 + 0.3 * (3 - 0.1) and "a" not in policy.pending, "0 kept: settled at once"
+    policy.withhold("a", [])
+    policy.generated("a", [9])
+    assert "a" not in policy.pending, "no proposal: nothing followed"
+    policy.withhold("b", [1, 2])
+    policy.forget(["b"])
+    assert "b" not in policy.pending, "a finished sequence's proposal is dropped"
 
 
 def test_a_call_that_waits_for_its_last_sequence_counts_the_steps_saved() -> None:

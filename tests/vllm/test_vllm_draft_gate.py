@@ -40,8 +40,11 @@ def test_proposals_pass_once_they_pay_and_are_withheld_once_they_do_not() -> Non
     held = gate.admit(proposals([7, 8]))
     assert held.req_ids == IDS and held.draft_token_ids == [[]] * 8, "no verification measured: not paying yet"
     gate.observe(step(), output([7]), 0.020)  # each sampled the token it had proposed first
+    assert set(gate.policy.pending) == set(IDS), "1 of 2 proposed tokens generated: the count is not settled"
+    assert gate.admit(proposals([7, 8])).draft_token_ids == [[]] * 8
+    gate.observe(step(), output([8]), 0.020)  # then the second
     given = gate.admit(proposals([7, 8]))
-    assert given.draft_token_ids == [[7, 8]] * 8, "the withheld proposals would have kept a token: verified"
+    assert given.draft_token_ids == [[7, 8]] * 8, "the withheld proposals would have kept both tokens: verified"
     gate.observe(
         step({r: [7, 8] for r in IDS}), output([7, 8, 9], accepted=2, width=3), 0.024
     )  # 1.2x a step, 2 kept each

@@ -104,25 +104,28 @@ class _Lookup:
     policy: LookupPolicy
     drafts: dict[Hashable, list[int]] = field(default_factory=dict)
     """The proposals the next step verifies."""
-    unverified: dict[Hashable, list[int]] = field(default_factory=dict)
-    """The proposals the policy did not verify at the next step."""
+    generated: dict[Hashable, int] = field(default_factory=dict)
+    """How many tokens each going sequence had generated when the last proposals were made."""
 
     def observe(self, rows: int, result: StepResult, seconds: float, sequences: Seq[Sequence]) -> None:
-        """Record a step of ``rows`` sequences that took ``seconds`` (a decode step's time and kept tokens; what each
-        unverified proposal would have kept, by the token its sequence generated)."""
+        """Record a step of ``rows`` sequences that took ``seconds`` (a decode step's time and kept tokens), and the
+        tokens each sequence generated since the last proposals (what an unverified proposal would have kept)."""
         if not result.prefills:  # a decode step (the first one prefills)
             self.policy.record(rows, result.width, seconds, result.accepted)
         for s in sequences:
-            if self.unverified.get(s.seq_id):
-                self.policy.record_unverified(s.seq_id, self.unverified[s.seq_id], s.generated[-1])
+            if s.seq_id in self.generated:
+                self.policy.generated(s.seq_id, s.generated[self.generated[s.seq_id] :])
 
     def propose(self, going: list[Sequence], max_new_tokens: int, eos_token_ids: set[int]) -> None:
         """Prompt lookup's proposals after each of ``going``, for the next step to verify or not."""
         proposals = {s.seq_id: _proposal(s, self.most, max_new_tokens, eos_token_ids) for s in going}
+        self.generated = {s.seq_id: len(s.generated) for s in going}
         if self.policy.verifies(len(going), proposals, _furthest_from_done(going)):
-            self.drafts, self.unverified = proposals, {}
+            self.drafts = proposals
         else:
-            self.drafts, self.unverified = {}, proposals
+            self.drafts = {}
+            for seq_id, proposed in proposals.items():
+                self.policy.withhold(seq_id, proposed)
 
 
 def generate_tokens(

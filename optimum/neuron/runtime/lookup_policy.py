@@ -50,6 +50,9 @@ class LookupPolicy:
     """Running mean of a decode step's seconds by (decoding sequences, columns per row)."""
     kept: dict[Hashable, float] = field(default_factory=dict)
     """Running mean of the proposed tokens each sequence kept per verification."""
+    pending: dict[Hashable, tuple[list[int], list[int]]] = field(default_factory=dict)
+    """Each withheld proposal whose would-be kept count is not known yet, and the tokens its sequence generated since
+    (`withhold`, `generated`)."""
     pick: bool | None = None
     """The rule's last pick."""
     interval: int = PROBE_EVERY
@@ -151,17 +154,41 @@ class LookupPolicy:
             self.kept[seq_id] = _running(self.kept.get(seq_id, KEPT_PRIOR), float(count))
 
     def forget(self, seq_ids: Collection[Hashable]) -> None:
-        """Drop what was learned of ``seq_ids`` (finished sequences)."""
+        """Drop what was learned of ``seq_ids`` (finished sequences), and their withheld proposals."""
         for seq_id in seq_ids:
             self.kept.pop(seq_id, None)
+            self.pending.pop(seq_id, None)
 
-    def record_unverified(self, seq_id: Hashable, proposed: Sequence[int], generated: int) -> None:
-        """A sequence whose proposal this policy did not verify generated ``generated``: had it been verified, it would
-        have kept nothing when ``generated`` is not the first proposed token, at least one token when it is; that
-        count (0 or 1, a lower bound) joins its mean, so a sequence whose proposals start matching again gets verified
-        without waiting for a probe."""
-        if proposed:
-            self.kept[seq_id] = _running(self.kept.get(seq_id, KEPT_PRIOR), float(proposed[0] == generated))
+    def withhold(self, seq_id: Hashable, proposed: Sequence[int]) -> None:
+        """``proposed`` (``seq_id``'s proposal) is not verified: what it would have kept is learned from the tokens the
+        sequence generates next (`generated`). One such proposal per sequence at a time: a later one waits."""
+        if proposed and seq_id not in self.pending:
+            self.pending[seq_id] = (list(proposed), [])
+
+    def generated(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """``seq_id`` generated ``tokens`` at a step. Once they settle what its withheld proposal would have kept (its
+        leading tokens that the sequence generated: known at the first difference, or once it generated as many), that
+        count joins the sequence's mean, exactly what a verification would have kept (the tokens are the same either
+        way): a sequence whose proposals match again is verified without waiting for a probe, and one withheld while
+        they match is not held back by a count that stops at its first token."""
+        if seq_id not in self.pending or not tokens:
+            return
+        proposed, since = self.pending[seq_id]
+        since.extend(tokens)
+        kept = _leading_match(proposed, since)
+        if len(since) > kept or kept == len(proposed):
+            del self.pending[seq_id]
+            self.kept[seq_id] = _running(self.kept.get(seq_id, KEPT_PRIOR), float(kept))
+
+
+def _leading_match(proposed: Sequence[int], generated: Sequence[int]) -> int:
+    """How many of ``proposed``'s leading tokens ``generated`` starts with."""
+    count = 0
+    for want, got in zip(proposed, generated, strict=False):
+        if want != got:
+            break
+        count += 1
+    return count
 
 
 def _running(mean: float | None, value: float) -> float:

@@ -100,8 +100,8 @@ class DraftGate:
     """Which of the n-gram drafter's proposals vLLM is given: those `LookupPolicy` finds worth verifying, by its
     throughput rule (vLLM's steps serve every running request, none waits for another), on the decode steps this
     worker timed; a withheld proposal costs nothing (vLLM schedules a plain token-generation step) and teaches the
-    policy what it would have kept, by the token its request sampled instead. Prompt lookup's own cost is small; a
-    draft model's is not, and it is not gated: its proposals are always verified."""
+    policy what it would have kept, by the tokens its request samples next (`LookupPolicy.generated`). Prompt lookup's
+    own cost is small; a draft model's is not, and it is not gated: its proposals are always verified."""
 
     def __init__(self, packed: bool = False) -> None:
         """``packed``: the verification graph packs its columns (`graphs.packed_verification`)."""
@@ -119,8 +119,9 @@ class DraftGate:
         else:
             self.policy.record_kept(kept)
         for req_id, proposed in self.withheld.items():
-            if out.sampled.get(req_id):
-                self.policy.record_unverified(req_id, proposed, out.sampled[req_id][0])
+            self.policy.withhold(req_id, proposed)
+        for req_id, tokens in out.sampled.items():
+            self.policy.generated(req_id, tokens)
         self.withheld = {}
 
     def admit(self, drafts: Any) -> Any:
