@@ -25,6 +25,23 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_generation() -> str:
+    """The CPU's family and model numbers from /proc/cpuinfo (``family 25 model 17``): a model name such as "AMD
+    EPYC" says nothing of the core generation, and cloud VMs of one name differ in it (Zen 3, 4, 5)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key.strip() in ("cpu family", "model") and key.strip() not in fields:
+                    fields[key.strip()] = value.strip()
+                if not line.strip():
+                    break
+    except OSError:
+        return "unknown"
+    return f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
 def describe() -> dict[str, str]:
     """What ran the benchmark: CPU, cores, memory, versions, current load."""
     import torch
@@ -33,6 +50,7 @@ def describe() -> dict[str, str]:
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return {
         "cpu": cpu_model(),
+        "cpu_generation": cpu_generation(),
         "cores": str(os.cpu_count()),
         "memory": f"{mem_gb:.0f} GiB",
         "torch": torch.__version__,
