@@ -37,9 +37,12 @@ from typing import Any
 
 from benchmark.fresh import answer, run_worker
 from benchmark.machine import describe, machine_line, save_results
+from benchmark.peerbench.versions import ours
 from benchmark.quantized import TOPICS
 
 RESULTS = Path(__file__).parent / "results"
+MACHINE = "cpu-2core"
+"""The default results subfolder (`--machine`)."""
 SEQUENCE_LENGTH, CHUNK, SPECULATION = 1024, 256, 6
 LOOKUPS = (0, 2, 4, 6)
 PASSAGE_WORDS = 90
@@ -197,7 +200,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="batch 1 only, 2 prompts of 32 tokens, k 0 and 4")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (each cell: the median)")
     parser.add_argument("--new", type=int, default=96, help="new tokens per prompt")
-    parser.add_argument("--machine", default="cpu-2core", help="results subfolder name")
+    parser.add_argument("--machine", default=MACHINE, help="results subfolder name")
     parser.add_argument("--vllm", action="store_true", help="through vllm.LLM and vLLM's n-gram proposer")
     parser.add_argument("--draft", help="with --vllm: a draft artifact instead, int8, int4 or layers:N of SmolLM2")
     parser.add_argument(
@@ -239,6 +242,11 @@ def main() -> None:
     body = {"machine": describe(), "rounds": args.rounds, "new": new, "lookups": list(lookups), "cells": {}}
     body["vllm"], body["draft"], body["verify_every"] = args.vllm, args.draft, args.verify_every
     body["batches"] = list(batches) if args.batches else None
+    body["results"], body["code"], body["ended"] = (
+        args.machine,
+        ours(),
+        time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
     for key, runs in samples.items():
         body["cells"][key] = {
             "tok_s": statistics.median(r["tok_s"] for r in runs),
@@ -272,6 +280,7 @@ def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
     flags += " --verify-every" if body.get("verify_every") else ""
     flags += f" --batches {','.join(map(str, body['batches']))}" if body.get("batches") else ""
     flags += f" --rounds {body['rounds']}" if body.get("rounds", 1) > 1 else ""
+    flags += f" --machine {body['results']}" if body.get("results", MACHINE) != MACHINE else ""
     if vllm and not draft:
         through += " with every proposal verified" if body.get("verify_every") else ", gated by `DraftGate`"
     lines = [
@@ -281,7 +290,7 @@ def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
         + machine_line(body["machine"])
         + f". S={SEQUENCE_LENGTH}, C={CHUNK}, `--speculation_length {SPECULATION}`; greedy, {body['new']} new tokens "
         f"per prompt (EOS not stopping them); each cell in a fresh process, the median of {body['rounds']} "
-        "interleaved round(s).",
+        "interleaved round(s)." + (f" Code: {body['code']}; ended {body['ended']}." if "code" in body else ""),
         "",
         "| workload | batch | k | output tok/s | x k=0 | tokens per decode step | drafts kept | tokens equal to k=0 |",
         "|---|---|---|---|---|---|---|---|",
