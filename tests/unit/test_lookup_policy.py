@@ -134,3 +134,13 @@ def test_a_packed_call_costs_the_columns_its_sequences_fill() -> None:
     assert abs(unmeasured.extra(8, 1.25, 0.020) - 0.125) < 1e-12, "the prior's excess scaled: 2 columns of 8 rows"
     assert unmeasured.extra(8, 3.0, 0.020) == 0.5, "at most the rows layout's prior"
     assert LookupPolicy(seconds={(8, 1): 0.020}).extra(8, 3, 0.020) == 0.5, "rows: the prior whatever the width"
+
+
+def test_packed_with_nothing_worth_it_a_probe_verifies_the_best_proposal_alone() -> None:
+    """8 sequences proposing 6 tokens that keep little: no subset repays its columns, so the probe, when it comes,
+    verifies only the proposal with the most kept tokens per proposed token (a 14-column call, not all 56)."""
+    costs = {(8, 1): 0.020, (8, 7.0): 0.076}
+    policy = LookupPolicy(seconds=dict(costs), kept={i: 0.2 + i / 100 for i in range(8)}, packed=True)
+    proposals = {i: [1, 2, 3, 4, 5, 6] for i in range(8)}
+    picks = [policy.chosen(8, proposals) for _ in range(4 * PROBE_EVERY)]
+    assert [p for p in picks if p] == [{7}], "one probe, of the best-keeping sequence alone"

@@ -95,20 +95,21 @@ class LookupPolicy:
         """The sequences whose proposals the next decode step of ``rows`` sequences verifies, by the throughput rule
         (empty: a token-generation step). With packed columns each proposal costs its own columns, so the step
         verifies the proposals whose expected kept tokens per proposed token are highest, as many of them as gain the
-        most over the call's cost (`cost` at their width); the rows layout costs the same for one proposal as for all,
-        and verifies all or none. `verifies` then decides (and probes) on that set; with none worth it, on all."""
+        most over the call's cost (`cost` at their width), and with none worth it, probes with the best one alone (a
+        probe measures a call's cost; what a withheld proposal would have kept is learned anyway, `generated`); the
+        rows layout costs the same for one proposal as for all, and verifies (or probes) all or none. `verifies`
+        decides on that set."""
         proposing = [seq_id for seq_id, p in proposals.items() if p]
         step = self.seconds.get((rows, 1))
-        best: list[Hashable] = []
-        if self.packed and self.timed and step is not None:
+        picked = proposing
+        if self.packed and self.timed and step is not None and proposing:
             ranked = sorted(proposing, key=lambda s: -self.kept.get(s, KEPT_PRIOR) / len(proposals[s]))
-            value = 0.0
+            picked, value = ranked[:1], 0.0  # none worth it: a probe verifies the best one alone, at the least cost
             for count in range(1, len(ranked) + 1):
                 extra = self.extra(rows, self.width(rows, [proposals[s] for s in ranked[:count]]), step)
                 gain = sum(self.kept.get(s, KEPT_PRIOR) for s in ranked[:count]) - rows * extra
                 if gain > value:
-                    best, value = ranked[:count], gain
-        picked = best or proposing
+                    picked, value = ranked[:count], gain
         return set(picked) if self.verifies(rows, {s: proposals[s] for s in picked}) else set()
 
     def width(self, rows: int, proposals: Sequence[Sequence[int]]) -> float:
