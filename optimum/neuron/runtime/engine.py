@@ -68,7 +68,7 @@ from .padding import (
 from .parallel import tensor_parallel_rank
 from .placement import CallerPlacement, Placement, PooledPlacement, place, placement_for
 from .sampling import HostSampler, SamplingParams, SequenceSampler, sample_on_host, sampling_tensors
-from .sequence import Checkpoint, SeqId, Sequence, StepResult
+from .sequence import Checkpoint, SeqId, Sequence, StepResult, common_prefix
 from .slots import SlotTable
 from .speculation import accept
 
@@ -267,7 +267,7 @@ class Engine:
                 f"sequence {seq_id!r} is rewound to {len(checked)} tokens, fewer than its {sequence.prompt_len}-token "
                 "prompt: admit it again instead."
             )
-        kept = _common_prefix(sequence.tokens, checked)
+        kept = common_prefix(sequence.tokens, checked)
         sequence.tokens = checked
         sequence.computed = min(sequence.computed, kept, len(checked) - 1)
         del sequence.block_hashes[sequence.computed // self.block_size :]
@@ -656,11 +656,3 @@ def _held(sequence: Sequence) -> int:
     """The slot of a scheduled sequence (`Engine._check_work` refused preempted ones)."""
     assert sequence.slot is not None, f"sequence {sequence.seq_id!r} holds no slot"
     return sequence.slot
-
-
-def _common_prefix(a: Seq[int], b: Seq[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))

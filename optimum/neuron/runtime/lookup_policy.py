@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .sequence import common_prefix
+
 PROBE_EVERY = 16
 """`LookupPolicy` runs the option its rule did not pick after this many steps with proposals, then after twice as many
 each time the rule's pick stays the same (reset when it changes), so that its measurements follow what the sequences
@@ -176,20 +178,10 @@ class LookupPolicy:
             return
         proposed, since = self.pending[seq_id]
         since.extend(tokens)
-        kept = _leading_match(proposed, since)
+        kept = common_prefix(proposed, since)
         if len(since) > kept or kept == len(proposed):
             del self.pending[seq_id]
             self.kept[seq_id] = _running(self.kept.get(seq_id, KEPT_PRIOR), float(kept))
-
-
-def _leading_match(proposed: Sequence[int], generated: Sequence[int]) -> int:
-    """How many of ``proposed``'s leading tokens ``generated`` starts with."""
-    count = 0
-    for want, got in zip(proposed, generated, strict=False):
-        if want != got:
-            break
-        count += 1
-    return count
 
 
 def _running(mean: float | None, value: float) -> float:

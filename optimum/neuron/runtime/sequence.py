@@ -10,6 +10,7 @@ step runs and put back if the step fails (`Engine.step` is atomic).
 from __future__ import annotations
 
 from collections.abc import Hashable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -170,3 +171,11 @@ class Checkpoint:
         if images is not None and self.images is not None:
             images.cache.clear()
             images.cache.update(self.images)
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (a rewind keeps them; a withheld proposal would have kept them)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
