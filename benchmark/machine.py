@@ -13,33 +13,32 @@ from pathlib import Path
 from typing import Any
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (or the platform string)."""
+def first_cpu() -> dict[str, str]:
+    """The fields of the first processor in /proc/cpuinfo (``model name``, ``cpu family``, ``flags``, ...); empty
+    where the file cannot be read."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as handle:
             for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return {}
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (or the platform string)."""
+    return first_cpu().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_generation() -> str:
     """The CPU's family and model numbers from /proc/cpuinfo (``family 25 model 17``): a model name such as "AMD
     EPYC" says nothing of the core generation, and cloud VMs of one name differ in it (Zen 3, 4, 5)."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                key, _, value = line.partition(":")
-                if key.strip() in ("cpu family", "model") and key.strip() not in fields:
-                    fields[key.strip()] = value.strip()
-                if not line.strip():
-                    break
-    except OSError:
-        return "unknown"
-    return f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+    cpu = first_cpu()
+    return f"family {cpu.get('cpu family', '?')} model {cpu.get('model', '?')}" if cpu else "unknown"
 
 
 def describe() -> dict[str, str]:

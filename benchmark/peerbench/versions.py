@@ -13,12 +13,12 @@ from benchmark.peerbench.layout import LLAMA_CPP_BIN
 def cpu_flags() -> str:
     """The SIMD extensions that decide which kernels every system picks (AVX2, AVX-512, AMX, ...)."""
     wanted = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    from benchmark.machine import first_cpu
+
+    cpu = first_cpu()
+    if not cpu:
         return "unknown"
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
-    have = set(line.split(":", 1)[-1].split())
+    have = set(cpu.get("flags", "").split())
     return " ".join(f for f in wanted if f in have) or "none of " + ", ".join(wanted)
 
 
