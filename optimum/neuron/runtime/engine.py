@@ -479,7 +479,7 @@ class Engine:
         result.width = filled / len(active) if packed else widest
         spec, window, columns = self._graph(GraphKind.VERIFICATION, reach, tokens=filled if packed else widest)
         width = window // self.block_size
-        if spec.packed:
+        if packed:
             inputs = packed_verify_rows(list(active.values()), columns, width, self.block_size)
         else:
             inputs = verify_rows(self.config.batch_size, active, columns, width, self.block_size)
@@ -488,7 +488,7 @@ class Engine:
         out = self._call(spec, inputs).float().cpu()
         starts = list(accumulate((len(row.tokens) for row in active.values()), initial=0))
         for (slot, sequence), start in zip(by_slot.items(), starts, strict=False):
-            logits = out[0, start : start + len(active[slot].tokens)] if spec.packed else out[slot]
+            logits = out[0, start : start + len(active[slot].tokens)] if packed else out[slot]
             result.decodes.append(sequence.seq_id)
             if sequence.sampler.params.host is not None:
                 host[slot] = (sequence, logits[0])

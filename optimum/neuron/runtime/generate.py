@@ -75,8 +75,7 @@ def generate(
             for row, p in enumerate(prompts)
         ]
         work = {s.seq_id: s.pending for s in sequences}
-        policy = LookupPolicy(timed=engine.config.tp_degree == 1, packed=packed_verification(engine.config))
-        lookup = _Lookup(prompt_lookup, policy) if prompt_lookup else None
+        lookup = _Lookup(prompt_lookup, _lookup_policy(engine)) if prompt_lookup else None
         while work:
             start = time.perf_counter()
             result = engine.step(work, drafts=lookup.drafts if lookup else {})
@@ -171,6 +170,13 @@ def _check_batch(engine: Engine, prompts: Seq[Seq[int]], max_new_tokens: int) ->
             f"{engine.config.batch_size}): pass fewer prompts or re-export with a larger --batch_size."
         )
     checked_count("max_new_tokens", max_new_tokens, note=" (transformers' generate refuses 0 too)")
+
+
+def _lookup_policy(engine: Engine) -> LookupPolicy:
+    """The rule that picks which proposals a step verifies, for this engine's verification graph: packed as the graph
+    packs its columns; timed on one process only (tensor-parallel ranks run this loop in lockstep and must call the same
+    graphs, which decisions from each rank's own clock would not guarantee: they verify every proposal)."""
+    return LookupPolicy(timed=engine.config.tp_degree == 1, packed=packed_verification(engine.config))
 
 
 def _check_lookup(engine: Engine, prompt_lookup: int) -> None:
