@@ -24,15 +24,15 @@
 // then times the scale into the output, no multiply per weight. Either way a row's result depends on that row only,
 // and the AVX2 and AVX-512 paths are bitwise equal.
 //
-// Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block;
-// packed_linear_cat: the groups of every weight of the call, in one parallel region);
+// Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block
+// that sizes them: `group_rows`; packed_linear_cat: the groups of every weight of the call, in one parallel region);
 // each thread walks K in blocks (`block_k`: 64 steps for up to 2 row blocks, 576 from 3 on) and, within a block,
-// every row block (up to 8 rows on AVX-512, 6 on AVX2: `max_rows`) over the group (`panel_group`), so the panel's
-// block stays in the caches while every row uses it, and the memory stream of the weights never pauses for a second
-// row block. The first row block prefetches the panels ahead (once
-// per cache line of each panel's stream: every k step for fp32, every 4th for int8, every 8th for int4): the next K
-// block for fp32 and int8, 1 KiB ahead for int4; near a panel's end, as far into the next group's panels, which
-// follow in memory (a thread runs consecutive groups: `prefetch_ahead`).
+// every row block (up to 8 rows on AVX-512, 6 on AVX2: `max_rows`, split as `row_blocks` says) over the group
+// (`panel_group`), so the panel's block stays in the caches while every row uses it, and the memory stream of the
+// weights never pauses for a second row block. The first row block prefetches the panels ahead (once per cache line
+// of each panel's stream: every k step for fp32, every 4th for int8, every 8th for int4): the next K block for fp32
+// and int8, 1 KiB ahead for int4; near a panel's end, as far into the next group's panels, which follow in memory (a
+// thread runs consecutive groups: `prefetch_ahead`).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>
@@ -110,7 +110,7 @@ at::Tensor gemm(const at::Tensor& x, const std::vector<Part>& parts, int64_t gro
     const float* xp = xs.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     const RowBlocks blocks = row_blocks(M);
-    const int64_t per_tile = panels_per_tile(blocks.rows(0), panels, at::get_num_threads());
+    const int64_t per_tile = panels_per_tile(group_rows(blocks), panels, at::get_num_threads());
     std::vector<Product> products;
     int64_t col = 0;
     for (const Part& part : parts) {
