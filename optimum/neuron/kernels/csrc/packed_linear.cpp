@@ -29,10 +29,10 @@
 // each thread walks K in blocks (`block_k`: 64 steps for up to 2 row blocks, 576 from 3 on) and, within a block,
 // every row block (up to 8 rows on AVX-512, 6 on AVX2: `max_rows`, split as `row_blocks` says) over the group
 // (`panel_group`), so the panel's block stays in the caches while every row uses it, and the memory stream of the
-// weights never pauses for a second row block. The first row block prefetches the panels ahead (once per cache line
-// of each panel's stream: every k step for fp32, every 4th for int8, every 8th for int4): the next K block for fp32
-// and int8, 1 KiB ahead for int4; near a panel's end, as far into the next group's panels, which follow in memory (a
-// thread runs consecutive groups: `prefetch_ahead`).
+// weights never pauses for a second row block. The row blocks prefetch the panels ahead (once per cache line of each
+// panel's stream: every k step for fp32, every 4th for int8, every 8th for int4; line i by row block i mod count,
+// `fetch_share`): the next K block for fp32 and int8, 1 KiB ahead for int4; near a panel's end, as far into the next
+// group's panels, which follow in memory (a thread runs consecutive groups: `prefetch_ahead`).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/constant_pad_nd.h>

@@ -51,6 +51,8 @@ struct Tile {
   int64_t ldout;
   const float* bias;    // added on the last block (null: none)
   int64_t ahead;        // prefetch this many bytes ahead of the panel rows read (0: none; `prefetch_ahead`)
+  int64_t fetch_first;  // the first k step that prefetches, then every `fetch_steps` (`fetch_share`)
+  int64_t fetch_steps;
   // Quantized kinds only: scales[g, c] of the first panel's first column (row stride lds), the block's first k
   // (absolute) and the group size: k takes the scales of group k / group.
   const float* scales;
@@ -69,13 +71,6 @@ inline int64_t group_end(const Tile& t, int64_t k, const float** srow) {
   const int64_t g = (t.k0 + k) / t.group;
   *srow = t.scales + g * t.lds;
   return std::min(t.steps, (g + 1) * t.group - t.k0);
-}
-
-// Prefetch the next block at this k? Once per cache line of a panel's stream (a row is 64, 16 or 8 bytes).
-template <Kind W>
-inline bool prefetch_step(int64_t k) {
-  constexpr int64_t every = kLine / row_bytes<W>();
-  return (k & (every - 1)) == 0;
 }
 
 // Where step k of a panel starts: its row, or for int4 the 16 bytes of the pair of steps (k & ~1, k | 1) that holds it
@@ -143,12 +138,14 @@ __attribute__((target("avx2,fma"))) void tile_fma(const Tile& t) {
   const int64_t steps = t.steps, ldx = t.ldx, ldw = t.ldw;
   const int64_t ahead = t.ahead;
   const bool prefetch = ahead != 0;
+  int64_t next_fetch = t.fetch_first;
   for (int64_t k = 0; k < steps;) {
     const float* s;
     const int64_t end = group_end<W>(t, k, &s);
     for (; k < end; ++k) {
       __m256 v[A];
-      const bool fetch = prefetch && prefetch_step<W>(k);
+      const bool fetch = prefetch && k == next_fetch;
+      if (fetch) next_fetch += t.fetch_steps;
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<W>(w + p * ldw, k);
@@ -206,12 +203,14 @@ __attribute__((target("avx512f"))) void tile_avx512(const Tile& t) {
   const int64_t steps = t.steps, ldx = t.ldx, ldw = t.ldw;
   const int64_t ahead = t.ahead;
   const bool prefetch = ahead != 0;
+  int64_t next_fetch = t.fetch_first;
   for (int64_t k = 0; k < steps;) {
     const float* s;
     const int64_t end = group_end<W>(t, k, &s);
     for (; k < end; ++k) {
       __m512 v[P];
-      const bool fetch = prefetch && prefetch_step<W>(k);
+      const bool fetch = prefetch && k == next_fetch;
+      if (fetch) next_fetch += t.fetch_steps;
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<W>(w + p * ldw, k);
@@ -324,6 +323,7 @@ __attribute__((target("avx2,fma"))) void tile_int4_fma(const Tile& t) {
   constexpr int A = 2 * P;
   const int64_t ahead = t.ahead;
   const bool prefetch = ahead != 0;
+  int64_t next_fetch = t.fetch_first;
   for (int64_t k = 0, run = 0; k < t.steps; ++run) {
     const float* s;
     const int64_t end = group_end<Kind::kI4>(t, k, &s);
@@ -332,7 +332,8 @@ __attribute__((target("avx2,fma"))) void tile_int4_fma(const Tile& t) {
     for (int i = 0; i < R * A; ++i) g[i] = _mm256_setzero_ps();
     for (; k < end; ++k) {
       __m256 v[A];
-      const bool fetch = prefetch && prefetch_step<Kind::kI4>(k);
+      const bool fetch = prefetch && k == next_fetch;
+      if (fetch) next_fetch += t.fetch_steps;
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<Kind::kI4>(t.w + p * t.ldw, k);
@@ -376,6 +377,7 @@ __attribute__((target("avx512f"))) void tile_int4_avx512(const Tile& t) {
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
   const int64_t ahead = t.ahead;
   const bool prefetch = ahead != 0;
+  int64_t next_fetch = t.fetch_first;
   for (int64_t k = 0, run = 0; k < t.steps; ++run) {
     const float* s;
     const int64_t end = group_end<Kind::kI4>(t, k, &s);
@@ -385,7 +387,8 @@ __attribute__((target("avx512f"))) void tile_int4_avx512(const Tile& t) {
     for (; k < end; k += 2) {  // k is even: blocks, groups and K are
       __m512i bytes[P];
       __m512 v[P];
-      const bool fetch = prefetch && prefetch_step<Kind::kI4>(k);
+      const bool fetch = prefetch && k == next_fetch;
+      if (fetch) next_fetch += t.fetch_steps;
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<Kind::kI4>(t.w + p * t.ldw, k);
@@ -566,10 +569,10 @@ struct Product {
   const float* scales;  // quantized kinds: [groups, lds], the group size `group`
   int64_t lds;
   int64_t group;
-  bool prefetch;        // the first row block prefetches the panels ahead (`prefetch_ahead`)
+  bool prefetch;        // the row blocks prefetch the panels ahead (`prefetch_ahead`, `fetch_share`)
 };
 
-// How far ahead the first row block of a K block prefetches each panel's stream: fp32 and int8, the next K block of
+// How far ahead the row blocks of a K block prefetch each panel's stream: fp32 and int8, the next K block of
 // the same panels; int4, kPrefetchI4 bytes. Where that would pass the panel's end, the same distance into the panels
 // that follow the group's in memory, the group a thread of packed_linear takes next (a thread runs consecutive
 // groups): fp32 and int8 prefetch the next group's first K block during their last one; int4 shifts its distance by
@@ -598,6 +601,24 @@ inline int64_t block_k(const RowBlocks& blocks) {
   return W != Kind::kI4 && blocks.count >= 3 ? kDeepBlockK : kBlockK;
 }
 
+// Which k steps of a K block row block `blk` of `count` prefetches on: every row block takes its share of the next
+// block's cache lines (line i: row block i mod count), so the weights' stream keeps going while the later row blocks
+// work on the panels the first one brought in. With one row block, every line (a decode step's products). When only
+// the first row block prefetched, the stream paused for the rest of each K block: SmolLM2's 30 layers of products and
+// its LM head at 16 to 40 rows (a verification call's columns, a short chunk; weights streamed, 2 threads, the two
+// builds alternating in fresh processes on a 2-core Zen 4 VM) took 1.10-1.18x this schedule's time, 56 and 64 rows
+// 1.03-1.08x, 8 and 256 rows the same; the batch-8 artifact's packed verification call at 16 to 56 columns
+// 1.06-1.20x; int8 weights the same either way (their products are bound by the dequantizing, not the stream).
+struct FetchShare {
+  int64_t first, steps;
+};
+
+template <Kind W>
+inline FetchShare fetch_share(int64_t blk, int64_t count) {
+  constexpr int64_t every = kLine / row_bytes<W>();  // k steps per cache line of a panel's stream
+  return {every * blk, every * count};
+}
+
 // The `count` panels from panel `first` of product `p`: K in blocks of `block_k`, every row block of `blocks` over
 // each K block, in tiles of as many of the panels as the block's rows allow (`panels_fit`); ``partial`` holds M x ld
 // floats of partial sums (ld: 16 x the widest group; used when K is longer than one block).
@@ -610,6 +631,7 @@ inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first
     const bool last = k0 + steps == p.K;
     for (int64_t blk = 0, m = 0; blk < blocks.count; m += blocks.rows(blk), ++blk) {
       float* sums = partial + m * ld;
+      const FetchShare fetch = fetch_share<W>(blk, blocks.count);
       const int64_t fit = std::min(count, panels_fit(blocks.rows(blk)));
       for (int64_t q = 0; q < count; q += fit) {
         const int64_t n = std::min(fit, count - q), c = col + q * kPanel;
@@ -617,7 +639,7 @@ inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first
                      k0 == 0 ? nullptr : sums + q * kPanel, ld,
                      last ? p.y + m * p.ldy + c : sums + q * kPanel, last ? p.ldy : ld,
                      last && p.bias != nullptr ? p.bias + c : nullptr,
-                     p.prefetch && blk == 0 ? prefetch_ahead<W>(p, count, k0, block, last) : 0,
+                     p.prefetch ? prefetch_ahead<W>(p, count, k0, block, last) : 0, fetch.first, fetch.steps,
                      p.scales == nullptr ? nullptr : p.scales + c, p.lds, k0, p.group};
         tile_for<W>(blocks.rows(blk), n)(t);
       }
