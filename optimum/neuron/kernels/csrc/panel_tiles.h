@@ -38,6 +38,11 @@ constexpr int64_t row_bytes() {
   return W == Kind::kF32 ? 64 : W == Kind::kI8 ? 16 : 8;
 }
 
+// The k steps of a K block at which a tile prefetches: `first`, then every `steps` (`fetch_share`).
+struct FetchShare {
+  int64_t first, steps;
+};
+
 // One tile's work: `rows` rows of x times `panels` panels over one K block.
 struct Tile {
   const float* x;       // the first row, at the block's first k
@@ -51,8 +56,7 @@ struct Tile {
   int64_t ldout;
   const float* bias;    // added on the last block (null: none)
   int64_t ahead;        // prefetch this many bytes ahead of the panel rows read (0: none; `prefetch_ahead`)
-  int64_t fetch_first;  // the first k step that prefetches, then every `fetch_steps` (`fetch_share`)
-  int64_t fetch_steps;
+  FetchShare fetch;     // the k steps that prefetch (`fetch_share`)
   // Quantized kinds only: scales[g, c] of the first panel's first column (row stride lds), the block's first k
   // (absolute) and the group size: k takes the scales of group k / group.
   const float* scales;
@@ -72,6 +76,17 @@ inline int64_t group_end(const Tile& t, int64_t k, const float** srow) {
   *srow = t.scales + g * t.lds;
   return std::min(t.steps, (g + 1) * t.group - t.k0);
 }
+
+// A tile's prefetch steps in order: `due(k)` is true at each of them, never when the tile has no prefetch distance.
+struct FetchCursor {
+  int64_t next, steps;
+  explicit FetchCursor(const Tile& t) : next(t.ahead != 0 ? t.fetch.first : -1), steps(t.fetch.steps) {}
+  bool due(int64_t k) {
+    if (k != next) return false;
+    next += steps;
+    return true;
+  }
+};
 
 // Where step k of a panel starts: its row, or for int4 the 16 bytes of the pair of steps (k & ~1, k | 1) that holds it
 // (byte j: column j at the even step in its low nibble, at the odd step in its high one).
@@ -137,15 +152,13 @@ __attribute__((target("avx2,fma"))) void tile_fma(const Tile& t) {
   const char* w = t.w;
   const int64_t steps = t.steps, ldx = t.ldx, ldw = t.ldw;
   const int64_t ahead = t.ahead;
-  const bool prefetch = ahead != 0;
-  int64_t next_fetch = t.fetch_first;
+  FetchCursor cursor(t);
   for (int64_t k = 0; k < steps;) {
     const float* s;
     const int64_t end = group_end<W>(t, k, &s);
     for (; k < end; ++k) {
       __m256 v[A];
-      const bool fetch = prefetch && k == next_fetch;
-      if (fetch) next_fetch += t.fetch_steps;
+      const bool fetch = cursor.due(k);
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<W>(w + p * ldw, k);
@@ -202,15 +215,13 @@ __attribute__((target("avx512f"))) void tile_avx512(const Tile& t) {
   const char* w = t.w;
   const int64_t steps = t.steps, ldx = t.ldx, ldw = t.ldw;
   const int64_t ahead = t.ahead;
-  const bool prefetch = ahead != 0;
-  int64_t next_fetch = t.fetch_first;
+  FetchCursor cursor(t);
   for (int64_t k = 0; k < steps;) {
     const float* s;
     const int64_t end = group_end<W>(t, k, &s);
     for (; k < end; ++k) {
       __m512 v[P];
-      const bool fetch = prefetch && k == next_fetch;
-      if (fetch) next_fetch += t.fetch_steps;
+      const bool fetch = cursor.due(k);
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<W>(w + p * ldw, k);
@@ -322,8 +333,7 @@ template <int R, int P>
 __attribute__((target("avx2,fma"))) void tile_int4_fma(const Tile& t) {
   constexpr int A = 2 * P;
   const int64_t ahead = t.ahead;
-  const bool prefetch = ahead != 0;
-  int64_t next_fetch = t.fetch_first;
+  FetchCursor cursor(t);
   for (int64_t k = 0, run = 0; k < t.steps; ++run) {
     const float* s;
     const int64_t end = group_end<Kind::kI4>(t, k, &s);
@@ -332,8 +342,7 @@ __attribute__((target("avx2,fma"))) void tile_int4_fma(const Tile& t) {
     for (int i = 0; i < R * A; ++i) g[i] = _mm256_setzero_ps();
     for (; k < end; ++k) {
       __m256 v[A];
-      const bool fetch = prefetch && k == next_fetch;
-      if (fetch) next_fetch += t.fetch_steps;
+      const bool fetch = cursor.due(k);
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<Kind::kI4>(t.w + p * t.ldw, k);
@@ -376,8 +385,7 @@ template <int R, int P>
 __attribute__((target("avx512f"))) void tile_int4_avx512(const Tile& t) {
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
   const int64_t ahead = t.ahead;
-  const bool prefetch = ahead != 0;
-  int64_t next_fetch = t.fetch_first;
+  FetchCursor cursor(t);
   for (int64_t k = 0, run = 0; k < t.steps; ++run) {
     const float* s;
     const int64_t end = group_end<Kind::kI4>(t, k, &s);
@@ -387,8 +395,7 @@ __attribute__((target("avx512f"))) void tile_int4_avx512(const Tile& t) {
     for (; k < end; k += 2) {  // k is even: blocks, groups and K are
       __m512i bytes[P];
       __m512 v[P];
-      const bool fetch = prefetch && k == next_fetch;
-      if (fetch) next_fetch += t.fetch_steps;
+      const bool fetch = cursor.due(k);
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<Kind::kI4>(t.w + p * t.ldw, k);
@@ -609,10 +616,6 @@ inline int64_t block_k(const RowBlocks& blocks) {
 // builds alternating in fresh processes on a 2-core Zen 4 VM) took 1.10-1.18x this schedule's time, 56 and 64 rows
 // 1.03-1.08x, 8 and 256 rows the same; the batch-8 artifact's packed verification call at 16 to 56 columns
 // 1.06-1.20x; int8 weights the same either way (their products are bound by the dequantizing, not the stream).
-struct FetchShare {
-  int64_t first, steps;
-};
-
 template <Kind W>
 inline FetchShare fetch_share(int64_t blk, int64_t count) {
   constexpr int64_t every = kLine / row_bytes<W>();  // k steps per cache line of a panel's stream
@@ -639,7 +642,7 @@ inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first
                      k0 == 0 ? nullptr : sums + q * kPanel, ld,
                      last ? p.y + m * p.ldy + c : sums + q * kPanel, last ? p.ldy : ld,
                      last && p.bias != nullptr ? p.bias + c : nullptr,
-                     p.prefetch ? prefetch_ahead<W>(p, count, k0, block, last) : 0, fetch.first, fetch.steps,
+                     p.prefetch ? prefetch_ahead<W>(p, count, k0, block, last) : 0, fetch,
                      p.scales == nullptr ? nullptr : p.scales + c, p.lds, k0, p.group};
         tile_for<W>(blocks.rows(blk), n)(t);
       }
