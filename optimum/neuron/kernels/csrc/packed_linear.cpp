@@ -25,7 +25,9 @@
 // and the AVX2 and AVX-512 paths are bitwise equal.
 //
 // Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block
-// that sizes them: `group_rows`; packed_linear_cat: the groups of every weight of the call, in one parallel region);
+// that sizes them: `group_rows`; one panel per group for fp32 with a single row block, a decode step, whose threads
+// then each read one contiguous stream, prefetched non-temporally: `streams_once`; packed_linear_cat: the groups of
+// every weight of the call, in one parallel region);
 // each thread walks K in blocks (`block_k`: 64 steps for up to 2 row blocks, 576 from 3 on) and, within a block,
 // every row block (up to 8 rows on AVX-512, 6 on AVX2: `max_rows`, split as `row_blocks` says) over the group
 // (`panel_group`), so the panel's block stays in the caches while every row uses it, and the memory stream of the
@@ -110,13 +112,14 @@ at::Tensor gemm(const at::Tensor& x, const std::vector<Part>& parts, int64_t gro
     const float* xp = xs.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     const RowBlocks blocks = row_blocks(M);
-    const int64_t per_tile = panels_per_tile(group_rows(blocks), panels, at::get_num_threads());
+    const int64_t per_tile = panels_per_group<W>(blocks, panels, at::get_num_threads());
     std::vector<Product> products;
     int64_t col = 0;
     for (const Part& part : parts) {
       const float* bp = part.bias.defined() ? part.bias.data_ptr<float>() : nullptr;
       const float* sp = part.scales.defined() ? part.scales.data_ptr<float>() : nullptr;
-      products.push_back({xp, K, K, part.w, ldw, yp + col, width, bp, sp, part.panels * kPanel, group, true});
+      products.push_back({xp, K, K, part.w, ldw, yp + col, width, bp, sp, part.panels * kPanel, group, true,
+                          streams_once<W>(blocks)});
       col += part.panels * kPanel;
     }
     const std::vector<Group> groups = groups_of(parts, per_tile);

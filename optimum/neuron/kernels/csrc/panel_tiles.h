@@ -57,6 +57,7 @@ struct Tile {
   const float* bias;    // added on the last block (null: none)
   int64_t ahead;        // prefetch this many bytes ahead of the panel rows read (0: none; `prefetch_ahead`)
   FetchShare fetch;     // the k steps that prefetch (`fetch_share`)
+  bool once;            // the panels are read once: prefetched non-temporally (`prefetch_line`)
   // Quantized kinds only: scales[g, c] of the first panel's first column (row stride lds), the block's first k
   // (absolute) and the group size: k takes the scales of group k / group.
   const float* scales;
@@ -94,6 +95,19 @@ template <Kind W>
 inline const char* row_at(const char* panel, int64_t k) {
   return W == Kind::kI4 ? panel + (k >> 1) * 16 : panel + k * row_bytes<W>();
 }
+
+#ifdef OPTIMUM_NEURON_X86
+// Prefetch the cache line at `at` into L1: non-temporally where the tile reads its panels once (`streams_once`), so
+// a decode step's stream of weights does not push out of the caches what the step reads again (its KV cache, the
+// activations).
+inline void prefetch_line(const char* at, bool once) {
+  if (once) {
+    _mm_prefetch(at, _MM_HINT_NTA);
+  } else {
+    _mm_prefetch(at, _MM_HINT_T0);
+  }
+}
+#endif
 
 // The portable loader: column j of a panel row (fp32, or int8 dequantized in fp32 as one multiply: one rounding).
 template <Kind W>
@@ -162,7 +176,7 @@ __attribute__((target("avx2,fma"))) void tile_fma(const Tile& t) {
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<W>(w + p * ldw, k);
-        if (fetch) _mm_prefetch(at + ahead, _MM_HINT_T0);
+        if (fetch) prefetch_line(at + ahead, t.once);
         load_avx2<W>(at, s + kPanel * p, &v[2 * p], &v[2 * p + 1]);
       }
 #pragma GCC unroll 8
@@ -225,7 +239,7 @@ __attribute__((target("avx512f"))) void tile_avx512(const Tile& t) {
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<W>(w + p * ldw, k);
-        if (fetch) _mm_prefetch(at + ahead, _MM_HINT_T0);
+        if (fetch) prefetch_line(at + ahead, t.once);
         v[p] = load_avx512<W>(at, s + kPanel * p);
       }
       step_avx512<R, P>(acc, x + k, ldx, v);
@@ -346,7 +360,7 @@ __attribute__((target("avx2,fma"))) void tile_int4_fma(const Tile& t) {
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<Kind::kI4>(t.w + p * t.ldw, k);
-        if (fetch) _mm_prefetch(at + ahead, _MM_HINT_T0);
+        if (fetch) prefetch_line(at + ahead, t.once);
         v[2 * p] = nibble_avx2(at, k & 1);
         v[2 * p + 1] = nibble_avx2(at + 8, k & 1);
       }
@@ -399,7 +413,7 @@ __attribute__((target("avx512f"))) void tile_int4_avx512(const Tile& t) {
 #pragma GCC unroll 8
       for (int p = 0; p < P; ++p) {
         const char* at = row_at<Kind::kI4>(t.w + p * t.ldw, k);
-        if (fetch) _mm_prefetch(at + ahead, _MM_HINT_T0);
+        if (fetch) prefetch_line(at + ahead, t.once);
         bytes[p] = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
         v[p] = _mm512_permutexvar_ps(bytes[p], values);
       }
@@ -563,6 +577,29 @@ int64_t panels_per_tile(int64_t rows, int64_t panels, int64_t threads) {
   return best;
 }
 
+// Whether a product of kind W with these row blocks reads each panel once: fp32 with one row block (up to `max_rows`
+// rows: a decode step), where the product waits on the stream of its weights. Each thread then takes one panel per
+// group (`panels_per_group`), so its consecutive panels are one contiguous stream of memory rather than up to
+// kMaxPanels streams a panel apart, and prefetches them non-temporally (`prefetch_line`); at 1 row its tile is one
+// chain of fused multiply-adds, 64 bytes per latency (~50 GB/s a core at 3 GHz, more than a core streams). SmolLM2's 30
+// layers of products and its LM head at 1 row, weights streamed (2 threads, the variants alternating in one process,
+// 2-core Zen 5 VM, AVX-512): 0.90-0.91x the time of groups of 3-4 panels prefetched into L1 (one panel alone
+// 0.94-0.95x); 2, 4 and 8 rows 0.94, 0.89 and 0.91x (the hint alone: 1.0x at 2 and 4 rows, 0.96-0.97x at 8); the AVX2
+// path 0.92x at 1 row, 0.96x at 6; the engine's decode step 0.86-0.91x at batch 1, 0.96-1.00x at batch 8. int8 panels
+// keep their groups and hint (one panel: 1.24-1.40x; the hint: 1.03-1.04x: they wait on dequantizing, which one
+// accumulator chain per row serialises); so do 2 and more row blocks (one panel at 16 and 24 rows: 1.17-1.26x, every
+// row block reading the panel's K block again).
+template <Kind W>
+inline bool streams_once(const RowBlocks& blocks) {
+  return W == Kind::kF32 && blocks.count == 1;
+}
+
+// Panels per group of a product of kind W on `threads` threads: one where it `streams_once`, else `panels_per_tile`.
+template <Kind W>
+inline int64_t panels_per_group(const RowBlocks& blocks, int64_t panels, int64_t threads) {
+  return streams_once<W>(blocks) ? 1 : panels_per_tile(group_rows(blocks), panels, threads);
+}
+
 // One product y = x [M, K] times panels of kind W: the operands and strides every group of panels shares.
 struct Product {
   const float* x;       // row stride ldx
@@ -577,6 +614,7 @@ struct Product {
   int64_t lds;
   int64_t group;
   bool prefetch;        // the row blocks prefetch the panels ahead (`prefetch_ahead`, `fetch_share`)
+  bool once;            // each panel is read once (`streams_once`): prefetched non-temporally
 };
 
 // How far ahead the row blocks of a K block prefetch each panel's stream: fp32 and int8, the next K block of
@@ -642,7 +680,7 @@ inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first
                      k0 == 0 ? nullptr : sums + q * kPanel, ld,
                      last ? p.y + m * p.ldy + c : sums + q * kPanel, last ? p.ldy : ld,
                      last && p.bias != nullptr ? p.bias + c : nullptr,
-                     p.prefetch ? prefetch_ahead<W>(p, count, k0, block, last) : 0, fetch,
+                     p.prefetch ? prefetch_ahead<W>(p, count, k0, block, last) : 0, fetch, p.once,
                      p.scales == nullptr ? nullptr : p.scales + c, p.lds, k0, p.group};
         tile_for<W>(blocks.rows(blk), n)(t);
       }
@@ -659,7 +697,7 @@ inline void gemm_serial(const float* x, int64_t M, int64_t K, int64_t ldx, const
   const RowBlocks blocks = row_blocks(M);
   const int64_t per_tile = panels_per_tile(group_rows(blocks), panels, 1);
   const Product p{x, ldx, K, reinterpret_cast<const char*>(w), ldw * static_cast<int64_t>(sizeof(float)),
-                  y, ldy, nullptr, nullptr, 0, 0, false};
+                  y, ldy, nullptr, nullptr, 0, 0, false, false};
   for (int64_t first = 0; first < panels; first += per_tile)
     panel_group<Kind::kF32>(p, blocks, first, std::min(per_tile, panels - first), partial, per_tile * kPanel);
 }
