@@ -23,10 +23,11 @@
 // transposing sum (`sums8x8`); the value pass adds eight weighted values to each piece of an output row between one
 // load and one store, in two independent chains (even and odd keys: one chain waited 4 cycles per key). Both passes
 // run 16 floats per register on AVX-512 (head dimension a multiple of 16), 8 on AVX2. A task's keys lie in runs of
-// block_size rows scattered over the cache, where the hardware prefetcher restarts at every run: the score pass asks
-// for the K and V rows of the keys 32 ahead (V into L2, where the value pass finds it). Measured on SmolLM2's decode
-// attention at batch 8 (30 layers' caches, cold): 6.4-6.8 -> 4.1-4.8 ms per step at 300 positions, 19.5-20.4 ->
-// 14.2-16.1 ms at 1,000 (a two-thread read of the same blocks alone: 2.8-3.4 and 10.7-10.9 ms).
+// block_size rows scattered over the cache, where the hardware prefetcher restarts at every run: each pass asks for
+// its rows (K in the score pass, V in the value pass) of the keys 32 ahead (`prefetch_rows`). Measured on SmolLM2's
+// decode attention at batch 8 (30 layers' caches, cold), against no prefetch: 6.4-6.8 -> 4.1-4.8 ms per step at 300
+// positions, 19.5-20.4 -> 14.2-16.1 ms at 1,000 (a two-thread read of the same blocks alone: 2.8-3.4 and 10.7-10.9
+// ms), with the score pass asking for the V rows too; each pass its own rows took 0.74-0.89x of that (`prefetch_rows`).
 //
 // Instruction sets. AVX-512, or AVX2 + FMA, where the CPU has it (vector dot products, value sums and exp), else
 // portable C++; OPTIMUM_NEURON_PACKED_ISA=avx2|portable picks a lower path (`isa.h`, shared with packed_linear).
@@ -158,18 +159,20 @@ __attribute__((target("avx2,fma"))) inline __m256 sums8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// Asks for the K and V rows of keys [from, from + n) (those that exist) ahead of their use, K into L1 and V into L2
-// where the value pass finds them: a task's keys lie in runs of block_size rows scattered over the cache.
+// Asks for the rows of `cache` (the task's K in the score pass, its V in the value pass) of keys [from, from + n)
+// (those that exist) ahead of their use, into L1: a task's keys lie in runs of block_size rows scattered over the
+// cache. Each pass prefetches its own rows. When the score pass also asked for the V rows (into L2, for the value
+// pass), SmolLM2's decode attention, 30 layers' caches cold, in one process on a 2-core Zen 5 VM, took 1.12-1.36x the
+// time: batch 8 at 84 / 300 / 1,000 positions 3.12 / 8.33 / 26.7 ms against 2.60 / 6.51 / 19.7 ms, batch 1 at 300 /
+// 1,000 1.35 / 3.50 against 1.17 / 3.12 ms (not measured further: the score pass then had twice the lines in flight);
+// the batch-8 artifact's decode step at 300-420 positions 0.91-0.99x.
 template <typename T>
-__attribute__((target("avx2,fma"))) inline void prefetch_rows(const Task<T>& t, int64_t from, int64_t n) {
+__attribute__((target("avx2,fma"))) inline void prefetch_rows(const Task<T>& t, const T* cache, int64_t from,
+                                                              int64_t n) {
   const int64_t end = std::min(t.count, from + n), bytes = t.dim * static_cast<int64_t>(sizeof(T));
   for (int64_t j = from; j < end; ++j) {
-    const char* key = reinterpret_cast<const char*>(t.k + t.rows[j] * t.dim);
-    const char* value = reinterpret_cast<const char*>(t.v + t.rows[j] * t.dim);
-    for (int64_t b = 0; b < bytes; b += 64) {
-      _mm_prefetch(key + b, _MM_HINT_T0);
-      _mm_prefetch(value + b, _MM_HINT_T1);
-    }
+    const char* row = reinterpret_cast<const char*>(cache + t.rows[j] * t.dim);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
   }
 }
 
@@ -196,9 +199,9 @@ __attribute__((target("avx2,fma"))) void scores_avx2(const Task<T>& t) {
   int64_t i = 0;
   if (t.dim % 8 == 0) {
     const __m256 scale = _mm256_set1_ps(t.scale);
-    prefetch_rows(t, 0, AHEAD);
+    prefetch_rows(t, t.k, 0, AHEAD);
     for (; i + KEYS <= t.count; i += KEYS) {
-      prefetch_rows(t, i + AHEAD, KEYS);
+      prefetch_rows(t, t.k, i + AHEAD, KEYS);
       rows_avx2(t.k, t.k_scale, t.rows + i, KEYS, t.dim, t.buf, keys);
       for (int64_t g = 0; g < t.group; ++g) {
         const float* query = t.q + g * t.dim;
@@ -243,8 +246,10 @@ __attribute__((target("avx2,fma"))) inline void weighted_sum8(float* out, const 
 template <typename T>
 __attribute__((target("avx2,fma"))) void values_avx2(const Task<T>& t) {
   const float* values[KEYS];
+  prefetch_rows(t, t.v, 0, AHEAD);
   for (int64_t i = 0; i < t.count; i += KEYS) {
     const int64_t n = std::min<int64_t>(KEYS, t.count - i);
+    prefetch_rows(t, t.v, i + AHEAD, KEYS);
     rows_avx2(t.v, t.v_scale, t.rows + i, n, t.dim, t.buf, values);
     for (int64_t g = 0; g < t.group; ++g) {
       const float* weights = t.scores + g * t.count + i;
@@ -312,10 +317,10 @@ template <typename T>
 __attribute__((target("avx512f,avx2,fma"))) void scores_avx512(const Task<T>& t) {
   const float* keys[KEYS];
   const __m256 scale = _mm256_set1_ps(t.scale);
-  prefetch_rows(t, 0, AHEAD);
+  prefetch_rows(t, t.k, 0, AHEAD);
   int64_t i = 0;
   for (; i + KEYS <= t.count; i += KEYS) {
-    prefetch_rows(t, i + AHEAD, KEYS);
+    prefetch_rows(t, t.k, i + AHEAD, KEYS);
     rows_avx2(t.k, t.k_scale, t.rows + i, KEYS, t.dim, t.buf, keys);
     for (int64_t g = 0; g < t.group; ++g) {
       const float* query = t.q + g * t.dim;
@@ -357,8 +362,10 @@ __attribute__((target("avx512f,avx2,fma"))) inline void weighted_sum16(float* ou
 template <typename T>
 __attribute__((target("avx512f,avx2,fma"))) void values_avx512(const Task<T>& t) {
   const float* values[KEYS];
+  prefetch_rows(t, t.v, 0, AHEAD);
   for (int64_t i = 0; i < t.count; i += KEYS) {
     const int64_t n = std::min<int64_t>(KEYS, t.count - i);
+    prefetch_rows(t, t.v, i + AHEAD, KEYS);
     rows_avx2(t.v, t.v_scale, t.rows + i, n, t.dim, t.buf, values);
     for (int64_t g = 0; g < t.group; ++g) {
       const float* weights = t.scores + g * t.count + i;
