@@ -118,8 +118,7 @@ at::Tensor gemm(const at::Tensor& x, const std::vector<Part>& parts, int64_t gro
     for (const Part& part : parts) {
       const float* bp = part.bias.defined() ? part.bias.data_ptr<float>() : nullptr;
       const float* sp = part.scales.defined() ? part.scales.data_ptr<float>() : nullptr;
-      products.push_back({xp, K, K, part.w, ldw, yp + col, width, bp, sp, part.panels * kPanel, group, true,
-                          streams_once<W>(blocks)});
+      products.push_back({xp, K, K, part.w, ldw, yp + col, width, bp, sp, part.panels * kPanel, group, true});
       col += part.panels * kPanel;
     }
     const std::vector<Group> groups = groups_of(parts, per_tile);

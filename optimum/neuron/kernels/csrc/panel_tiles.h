@@ -614,7 +614,6 @@ struct Product {
   int64_t lds;
   int64_t group;
   bool prefetch;        // the row blocks prefetch the panels ahead (`prefetch_ahead`, `fetch_share`)
-  bool once;            // each panel is read once (`streams_once`): prefetched non-temporally
 };
 
 // How far ahead the row blocks of a K block prefetch each panel's stream: fp32 and int8, the next K block of
@@ -667,6 +666,7 @@ template <Kind W>
 inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first, int64_t count, float* partial,
                         int64_t ld) {
   const int64_t col = first * kPanel, block = block_k<W>(blocks);
+  const bool once = streams_once<W>(blocks);
   for (int64_t k0 = 0; k0 < p.K; k0 += block) {
     const int64_t steps = std::min(block, p.K - k0);
     const bool last = k0 + steps == p.K;
@@ -680,7 +680,7 @@ inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first
                      k0 == 0 ? nullptr : sums + q * kPanel, ld,
                      last ? p.y + m * p.ldy + c : sums + q * kPanel, last ? p.ldy : ld,
                      last && p.bias != nullptr ? p.bias + c : nullptr,
-                     p.prefetch ? prefetch_ahead<W>(p, count, k0, block, last) : 0, fetch, p.once,
+                     p.prefetch ? prefetch_ahead<W>(p, count, k0, block, last) : 0, fetch, once,
                      p.scales == nullptr ? nullptr : p.scales + c, p.lds, k0, p.group};
         tile_for<W>(blocks.rows(blk), n)(t);
       }
@@ -697,7 +697,7 @@ inline void gemm_serial(const float* x, int64_t M, int64_t K, int64_t ldx, const
   const RowBlocks blocks = row_blocks(M);
   const int64_t per_tile = panels_per_tile(group_rows(blocks), panels, 1);
   const Product p{x, ldx, K, reinterpret_cast<const char*>(w), ldw * static_cast<int64_t>(sizeof(float)),
-                  y, ldy, nullptr, nullptr, 0, 0, false, false};
+                  y, ldy, nullptr, nullptr, 0, 0, false};
   for (int64_t first = 0; first < panels; first += per_tile)
     panel_group<Kind::kF32>(p, blocks, first, std::min(per_tile, panels - first), partial, per_tile * kPanel);
 }
