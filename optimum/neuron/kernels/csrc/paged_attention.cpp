@@ -24,10 +24,13 @@
 // load and one store, in two independent chains (even and odd keys: one chain waited 4 cycles per key). Both passes
 // run 16 floats per register on AVX-512 (head dimension a multiple of 16), 8 on AVX2. A task's keys lie in runs of
 // block_size rows scattered over the cache, where the hardware prefetcher restarts at every run: each pass asks for
-// its rows (K in the score pass, V in the value pass) of the keys 32 ahead (`prefetch_rows`). Measured on SmolLM2's
-// decode attention at batch 8 (30 layers' caches, cold), against no prefetch: 6.4-6.8 -> 4.1-4.8 ms per step at 300
-// positions, 19.5-20.4 -> 14.2-16.1 ms at 1,000 (a two-thread read of the same blocks alone: 2.8-3.4 and 10.7-10.9
-// ms), with the score pass asking for the V rows too; each pass its own rows took 0.74-0.89x of that (`prefetch_rows`).
+// its rows (K in the score pass, V in the value pass) of the keys 32 ahead (`prefetch_rows`). When the prefetch came
+// in (the score pass then asking for the V rows too), SmolLM2's decode attention at batch 8 (30 layers' caches, cold)
+// went from 6.4-6.8 to 4.1-4.8 ms per step at 300 positions and from 19.5-20.4 to 14.2-16.1 ms at 1,000 (a two-thread
+// read of the same blocks alone: 2.8-3.4 and 10.7-10.9 ms); each pass its own rows then took 0.74-0.89x of that. Later
+// on the same kind of VM (benchmark/README.md, 2026-12-03 evening), no software prefetch at all, distances of 16-96
+// keys and the L2 hint each measured within the noise of this schedule, which takes ~1.6x a bare read of the same
+// rows: what is left of that gap is not the prefetching.
 //
 // Instruction sets. AVX-512, or AVX2 + FMA, where the CPU has it (vector dot products, value sums and exp), else
 // portable C++; OPTIMUM_NEURON_PACKED_ISA=avx2|portable picks a lower path (`isa.h`, shared with packed_linear).
