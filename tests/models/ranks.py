@@ -1,8 +1,13 @@
 """Run a function on N tensor-parallel ranks: N spawned processes in one gloo group on 127.0.0.1, each calling
-the same function (the engine's steps must run on every rank in the same order), each result saved by rank."""
+the same function (the engine's steps must run on every rank in the same order), each result saved by rank.
+
+Each rank writes its standard error to ``rank{r}.err`` beside its result, with `faulthandler` on, so a rank that dies
+(a signal: a C++ abort in gloo, say) leaves its last words and every thread's Python stack there; a failed call
+raises with the tail of each rank's file (pytest's capture of the spawned processes' output was cut from CI's log)."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +19,9 @@ import torch
 def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out: str) -> None:
     import torch.distributed as dist
 
+    err = open(Path(out) / f"rank{rank}.err", "w", buffering=1)  # noqa: SIM115 - the rank's fd 2 until it exits
+    os.dup2(err.fileno(), 2)
+    faulthandler.enable(err, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # the ranks share the machine's cores
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -27,13 +35,31 @@ def run_on_ranks(world: int, fn: Callable[..., Any], *args: Any, tmp: Path) -> l
     """``fn(*args)`` on each of ``world`` ranks (``fn`` importable at module level); the results, by rank. A rank
     that fails makes the whole call raise."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     from benchmark.serving.server import free_port
 
-    mp.start_processes(
-        _rank_main, args=(world, free_port(), fn, args, str(tmp)), nprocs=world, start_method="spawn", join=True
-    )
+    try:
+        mp.start_processes(
+            _rank_main, args=(world, free_port(), fn, args, str(tmp)), nprocs=world, start_method="spawn", join=True
+        )
+    except ProcessException as error:
+        raise RankFailed(f"{error}\n{_ranks_stderr(world, tmp)}") from error
     return [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
+
+
+class RankFailed(RuntimeError):
+    """A rank of `run_on_ranks` failed: the error of the first rank that did, then each rank's standard error."""
+
+
+def _ranks_stderr(world: int, tmp: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of each rank's ``rank{r}.err`` (what `_rank_main` sent there)."""
+    parts = []
+    for r in range(world):
+        path = tmp / f"rank{r}.err"
+        text = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else ["(no file)"]
+        parts.append(f"--- rank {r} stderr, last {lines} lines ({path}) ---\n" + "\n".join(text))
+    return "\n".join(parts)
 
 
 def greedy_on_rank(names: list[str], lengths: tuple[int, ...], new: int) -> dict[str, dict[int, list[int]]]:
