@@ -22,6 +22,7 @@ from .layers.attention import (
     MixedContext,
     VerifyContext,
     attention_dims,
+    kept_rows,
 )
 from .layers.embedding import ScaledEmbedding
 from .layers.lora import AdapterRows, selected_adapters
@@ -69,8 +70,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = family.norm(hidden, eps)
         self.mlp = family.mlp(hf_config, index) if family.mlp else dense_mlp(family, hf_config)
 
-    def forward(self, h: torch.Tensor, rope: Any, caches: list[torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, caches, ctx)
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: Any,
+        caches: list[torch.Tensor],
+        ctx: AttentionContext,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``h [B, T, hidden]`` -> ``[B, T, hidden]``, or only the tokens ``rows`` past the attention (`kept_rows`)."""
+        h = kept_rows(h, rows) + self.self_attn(self.input_layernorm(h), rope, caches, ctx, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -127,15 +136,19 @@ class StaticDecoder(nn.Module):
         kv_cache: list[torch.Tensor],
         ctx,
         image_rows: ImageRows | None = None,
+        rows: torch.Tensor | None = None,
     ):
+        """The last layer's hidden states ``[B, T, hidden]``, or only at the token indices ``rows`` (the rows whose
+        logits the graph returns: the last layer skips the others past its attention, `kept_rows`)."""
         h = self.model.embed_tokens(input_ids)
         if image_rows is not None:
             h = splice_image_rows(h, *image_rows)
         rope = self.model.rotary_emb(position_ids, h.dtype)  # one (cos, sin), or one per layer type
         per = len(kv_cache) // len(self.model.layers)  # [K, V], or an int8 cache's [K, V, K scales, V scales]
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             layer_rope = rope[layer.layer_type] if isinstance(rope, dict) else rope
-            h = layer(h, layer_rope, kv_cache[per * i : per * i + per], ctx)
+            h = layer(h, layer_rope, kv_cache[per * i : per * i + per], ctx, rows if i == last else None)
         return h
 
     def forward(
@@ -171,14 +184,13 @@ class StaticDecoder(nn.Module):
             ctx = VerifyContext.build(position_ids, slot_mapping, block_table, block, self.windows, spec.packed)
         else:
             ctx = ChunkContext.build(position_ids, slot_mapping, block_table, block, self.windows, self.paged_attention)
+        # verification: every column of every row; prompt logprobs (all_rows): every column; the runtime keeps the
+        # real ones. Otherwise the last real token's (invariant 5: max position), the only row the last layer computes.
+        every = spec.kind is GraphKind.VERIFICATION or spec.all_rows
+        last = None if every else torch.argmax(position_ids[0]).reshape(1)
         with selected_adapters(self.adapter_rows, adapter_ids):
-            h = self._hidden(input_ids, position_ids, kv_cache, ctx, image_rows)
-        if spec.kind is GraphKind.VERIFICATION:  # every column of every row; the runtime keeps the real ones
-            return self._logits(h)
-        if spec.all_rows:  # prompt logprobs: every column; the runtime keeps the real ones (actual-tokens mask)
-            return self._logits(h[0])
-        last = torch.argmax(position_ids[0]).reshape(1)  # invariant 5: max position = last real token
-        return self._logits(h[0].index_select(0, last))
+            h = self._hidden(input_ids, position_ids, kv_cache, ctx, image_rows, rows=last)
+        return self._logits(h if spec.kind is GraphKind.VERIFICATION else h[0])
 
     def mixed(
         self,
@@ -201,9 +213,12 @@ class StaticDecoder(nn.Module):
             rows,
         )
         tokens = torch.cat((ids.reshape(1, rows), chunk_ids), dim=1)
-        h = self._hidden(tokens, torch.cat((positions.reshape(1, rows), chunk_positions), dim=1), kv_cache, ctx)
         last = rows + torch.argmax(chunk_positions[0]).reshape(1)  # invariant 5: the chunk's max position
-        return self._logits(h[0].index_select(0, torch.cat((torch.arange(rows, device=h.device), last))))
+        kept = torch.cat((torch.arange(rows, device=tokens.device), last))  # the rows the last layer computes
+        h = self._hidden(
+            tokens, torch.cat((positions.reshape(1, rows), chunk_positions), dim=1), kv_cache, ctx, rows=kept
+        )
+        return self._logits(h[0])
 
 
 class _Graph(nn.Module):

@@ -25,7 +25,7 @@ from ..weights import text_tower
 from .base import DecoderLayer
 from .checks import check_rope, refuse_set
 from .family import Family
-from .layers.attention import AttentionContext
+from .layers.attention import AttentionContext, kept_rows
 from .layers.mlp import GatedMLP
 from .layers.norm import OffsetRMSNorm
 
@@ -38,8 +38,16 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = family.norm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_feedforward_layernorm = family.norm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, rope: Any, caches: list[torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, caches, ctx))
+    def forward(
+        self,
+        h: torch.Tensor,
+        rope: Any,
+        caches: list[torch.Tensor],
+        ctx: AttentionContext,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        attended = self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, caches, ctx, rows))
+        h = kept_rows(h, rows) + attended
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 

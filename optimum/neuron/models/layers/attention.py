@@ -367,8 +367,11 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         caches: list[torch.Tensor],
         context: AttentionContext,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x [B, T, hidden]`` -> ``[B, T, hidden]``; ``caches`` is this layer's ``[K, V]``."""
+        """``x [B, T, hidden]`` -> ``[B, T, hidden]``; ``caches`` is this layer's ``[K, V]``. With ``rows`` (indices
+        into T), only those tokens' outputs go through the output projection: ``[B, len(rows), hidden]``; every token
+        still attends and writes its K/V (`kept_rows`)."""
         q, k, v = self._project(x)
         q, k = self._heads(q, self.dims.heads), self._heads(k, self.dims.kv_heads)
         v = self._heads(v, self.dims.kv_heads).transpose(1, 2)
@@ -378,4 +381,13 @@ class Attention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), *rope)
         out = context.attend(q, k, v, caches, self.options.window, self.options.scale)
         batch, tokens, _ = x.shape
-        return self.o_proj(out.transpose(1, 2).reshape(batch, tokens, -1))
+        return self.o_proj(kept_rows(out.transpose(1, 2).reshape(batch, tokens, -1), rows))
+
+
+def kept_rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """``x [B, T, ...]`` at token indices ``rows`` (all of them: None). The last layer of a graph that returns only
+    some tokens' logits (a prefill chunk's last real token, a mixed call's decode rows and that token) computes past
+    its attention only for those rows: every op there is row-wise (the packed products' sums depend on the row only),
+    so the kept rows' values are those of the whole computation, and the other rows' output projection and MLP are
+    not run (SmolLM2: 84 % of a layer's products, 1 / 30 of a chunk's)."""
+    return x if rows is None else x.index_select(1, rows)
