@@ -243,22 +243,32 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
+def _products_under(tmp_path: Path, name: str, env: dict[str, str]) -> dict[tuple, torch.Tensor]:
+    """`_PRODUCTS`' outputs computed in a fresh process with ``env`` added (the kernels read their switches once)."""
+    path = tmp_path / f"{name}.pt"
+    subprocess.run([sys.executable, "-c", _PRODUCTS, str(path)], env={**os.environ, **env}, check=True)
+    return torch.load(path)
+
+
+def _assert_bitwise_equal(first: dict[tuple, torch.Tensor], second: dict[tuple, torch.Tensor]) -> None:
+    assert first.keys() == second.keys()
+    for key, value in first.items():
+        assert torch.equal(value, second[key]), key
+
+
 @pytest.mark.skipif(not {"avx512f", "avx2", "fma"} <= _cpu_flags(), reason="needs a CPU with AVX-512 and AVX2 + FMA")
 def test_avx512_and_avx2_paths_are_bitwise_equal(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The AVX-512 tile (16-float registers, other tile sizes) runs the same fused multiply-adds in the same order as
     the AVX2 one: every output is bitwise equal, for decode and prefill row counts, fp32 and the int8 / int4 weights
     of packed_qlinear (their own decoders per path) (each path in its own process: OPTIMUM_NEURON_PACKED_ISA is read
     once)."""
-    import os
-    import subprocess
-    import sys
+    results = {isa: _products_under(tmp_path, isa, {"OPTIMUM_NEURON_PACKED_ISA": isa}) for isa in ("avx512", "avx2")}
+    _assert_bitwise_equal(results["avx512"], results["avx2"])
 
-    results = {}
-    for isa in ("avx512", "avx2"):
-        path = tmp_path / f"{isa}.pt"
-        env = {**os.environ, "OPTIMUM_NEURON_PACKED_ISA": isa}
-        subprocess.run([sys.executable, "-c", _PRODUCTS, str(path)], env=env, check=True)
-        results[isa] = torch.load(path)
-    assert results["avx512"].keys() == results["avx2"].keys()
-    for key, value in results["avx512"].items():
-        assert torch.equal(value, results["avx2"][key]), key
+
+def test_the_decode_stream_schedule_does_not_change_a_result(tmp_path: Path) -> None:
+    """A decode step's products read their weights as one stream per thread on some CPUs and as groups of panels on
+    others (`stream_once_pays` in isa.h, OPTIMUM_NEURON_STREAM_ONCE=1 / 0 forcing either): the same sums in the same
+    order, so every output is bitwise equal either way."""
+    results = {on: _products_under(tmp_path, on, {"OPTIMUM_NEURON_STREAM_ONCE": on}) for on in ("1", "0")}
+    _assert_bitwise_equal(results["1"], results["0"])

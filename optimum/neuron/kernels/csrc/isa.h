@@ -25,4 +25,25 @@ inline Isa isa() {
   return found;
 }
 
+// Whether this CPU reads a decode step's weights faster as one contiguous stream per thread, prefetched
+// non-temporally (panel_tiles.h `streams_once`), than as groups of panels prefetched into L1. Measured both ways, the
+// layouts' sums being the same: on the 2-core AMD Zen 5 VM the stream took 0.90-0.91x the time of the groups
+// (SmolLM2's products at 1 row); on a 2-core Intel Xeon VM (family 6 model 207, AVX-512), fresh processes alternating,
+// SmolLM2's 30 layers and LM head (538 MB) took 1.7-2.0x the time at 1 row and 1.35-1.6x at 8 rows (the groups read
+// 20-28 GB/s, about what a 2-thread `sum` reads there, the stream 11-16), 90 layers (1.27 GB) 1.3-1.6x and
+// 1.5-2.0x. So AMD CPUs take it and the others do not; OPTIMUM_NEURON_STREAM_ONCE=1 or 0 (read once) overrides, to
+// measure a new CPU.
+inline bool stream_once_pays() {
+  static const bool pays = [] {
+    const char* asked = std::getenv("OPTIMUM_NEURON_STREAM_ONCE");
+    if (asked != nullptr && (std::strcmp(asked, "0") == 0 || std::strcmp(asked, "1") == 0)) return asked[0] == '1';
+#if defined(__x86_64__) || defined(_M_X64)
+    return __builtin_cpu_is("amd") != 0;
+#else
+    return false;
+#endif
+  }();
+  return pays;
+}
+
 }  // namespace optimum_neuron

@@ -25,9 +25,9 @@
 // and the AVX2 and AVX-512 paths are bitwise equal.
 //
 // Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block
-// that sizes them: `group_rows`; one panel per group for fp32 with a single row block, a decode step, whose threads
-// then each read one contiguous stream, prefetched non-temporally: `streams_once`; packed_linear_cat: the groups of
-// every weight of the call, in one parallel region);
+// that sizes them: `group_rows`; on AMD CPUs, one panel per group for fp32 with a single row block, a decode step,
+// whose threads then each read one contiguous stream, prefetched non-temporally: `streams_once`; packed_linear_cat:
+// the groups of every weight of the call, in one parallel region);
 // each thread walks K in blocks (`block_k`: 64 steps for up to 2 row blocks, 576 from 3 on) and, within a block,
 // every row block (up to 8 rows on AVX-512, 6 on AVX2: `max_rows`, split as `row_blocks` says) over the group
 // (`panel_group`), so the panel's block stays in the caches while every row uses it, and the memory stream of the

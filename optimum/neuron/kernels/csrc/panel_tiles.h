@@ -588,10 +588,11 @@ int64_t panels_per_tile(int64_t rows, int64_t panels, int64_t threads) {
 // path 0.92x at 1 row, 0.96x at 6; the engine's decode step 0.86-0.91x at batch 1, 0.96-1.00x at batch 8. int8 panels
 // keep their groups and hint (one panel: 1.24-1.40x; the hint: 1.03-1.04x: they wait on dequantizing, which one
 // accumulator chain per row serialises); so do 2 and more row blocks (one panel at 16 and 24 rows: 1.17-1.26x, every
-// row block reading the panel's K block again).
+// row block reading the panel's K block again). Only on CPUs where that measured faster (`stream_once_pays`: AMD's;
+// on an Intel Xeon the groups of panels prefetched into L1 read at the memory's rate and the stream did not).
 template <Kind W>
 inline bool streams_once(const RowBlocks& blocks) {
-  return W == Kind::kF32 && blocks.count == 1;
+  return W == Kind::kF32 && blocks.count == 1 && stream_once_pays();
 }
 
 // Panels per group of a product of kind W on `threads` threads: one where it `streams_once`, else `panels_per_tile`.
