@@ -1,6 +1,7 @@
 // The instruction set every kernel of the toolkit's CPU library runs (every source of kernels/library.py): the
 // best path this CPU has, lowered by OPTIMUM_NEURON_PACKED_ISA (avx2, portable: for comparison and tests). Read once
-// per process, shared by every kernel.
+// per process, shared by every kernel. Beside it, the one schedule choice that depends on the CPU's vendor rather than
+// its instructions (`stream_once_pays`).
 #pragma once
 
 #include <cstdlib>
