@@ -189,7 +189,16 @@ def main(argv: list[str] | None = None) -> None:
         choices=["auto", "aten"],
         help="our artifacts' --linear_kernel (aten: torch's unpacked linear; a before/after with --only ours --out)",
     )
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="rewrite the markdown report beside a recorded run's JSON with this code's report (nothing is measured)",
+    )
     args = parser.parse_args(argv)
+    if args.render:
+        print(report.rerender(args.render).read_text())
+        return
     layout = Layout.default(args.weight_format)
     if args.setup:
         for name, seconds in install.setup(layout, args.only).items():

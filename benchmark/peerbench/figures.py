@@ -9,6 +9,8 @@ from typing import Any
 
 OURS, VLLM, OPENVINO, LLAMA = "ours", "ours vllm.LLM", "openvino", "llamacpp"
 COLUMNS = (OURS, VLLM, OPENVINO, LLAMA)
+SYSTEM_OF = {OURS: "ours", VLLM: "ours", OPENVINO: "openvino", LLAMA: "llamacpp"}
+"""The system (``--only``) that measures each column."""
 COLUMN_LABELS = {
     OURS: "ours (engine / `generate()`)",
     VLLM: "ours (`vllm.LLM`)",
@@ -116,6 +118,19 @@ def goal_ratio(run: dict[str, Any], goal: Goal) -> tuple[float | None, str]:
     lower = next(r for r in rows(run) if r.key == row).lower_is_better
     value, column = min(present) if lower else max(present)
     return top / value, column
+
+
+def paired_ratios(run: dict[str, Any], goal: Goal, column: str) -> list[float]:
+    """The goal's ratio within each round: the numerator's value over ``column``'s (the denominator `goal_ratio`
+    chose) in the same round, for the rounds where both were measured. A round's two measurements ran minutes apart at
+    most, so a slow spell of the machine weighs on both; the ratio of medians can pair a fast round of one system
+    with a slow round of the other."""
+    when = run.get("measured") or {}  # a merged run: each system's own run (`peers.merge`)
+    if when.get(SYSTEM_OF[goal.numerator]) != when.get(SYSTEM_OF[column]):
+        return []  # measured in different runs: their rounds are not the same minutes
+    tops = run["figures"].get(goal.row, {}).get(goal.numerator, [])
+    bottoms = run["figures"].get(goal.denominator_row or goal.row, {}).get(column, [])
+    return [float(t) / float(b) for t, b in zip(tops, bottoms, strict=False) if t is not None and b]
 
 
 def met(goal: Goal, ratio: float | None) -> str:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from benchmark.peerbench.figures import (
     LLAMA,
     OPENVINO,
     OURS,
+    Goal,
     cell,
     decode_bytes,
     floors,
@@ -24,6 +26,7 @@ from benchmark.peerbench.figures import (
     machine_limits,
     median,
     met,
+    paired_ratios,
     rows,
     weight_format,
     workload_positions,
@@ -47,14 +50,25 @@ def table(run: dict[str, Any]) -> list[str]:
 
 
 def goal_lines(run: dict[str, Any]) -> list[str]:
-    """Each goal's ratio of medians within the run, its bound and whether it is met."""
-    lines, names = ["| goal | ratio | bound | |", "|---|---|---|---|"], labels(run)
+    """Each goal's ratio of medians within the run, its bound and whether it is met (the verdict), then the same ratio
+    taken within each round: median (min–max) over the rounds (`figures.paired_ratios`)."""
+    header = "| goal | ratio | bound | | per round: median (min–max) |"
+    lines, names = [header, "|---|---|---|---|---|"], labels(run)
     for goal in goals(run):
         ratio, against = goal_ratio(run, goal)
         shown = "—" if ratio is None else f"{ratio:.2f}x" + (f" (vs {names[against]})" if against else "")
         bound = f"{'<=' if goal.at_most else '>='} {goal.bound:.1f}x"
-        lines.append(f"| {goal.label} | {shown} | {bound} | {met(goal, ratio)} |")
+        lines.append(f"| {goal.label} | {shown} | {bound} | {met(goal, ratio)} | {per_round(run, goal, against)} |")
     return lines
+
+
+def per_round(run: dict[str, Any], goal: Goal, column: str) -> str:
+    """``median (min–max)`` of the goal's ratios within each round, ``—`` without a pair."""
+    ratios = paired_ratios(run, goal, column) if column else []
+    if not ratios:
+        return "—"
+    mid = f"{statistics.median(ratios):.2f}x"
+    return mid if len(ratios) == 1 else f"{mid} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
 def floor_lines(run: dict[str, Any]) -> list[str]:
@@ -306,4 +320,14 @@ def write(run: dict[str, Any], folder: Path) -> Path:
     plot(run, folder / f"{name}.png")
     out = folder / f"{name}.md"
     out.write_text(render(run))
+    return out
+
+
+def rerender(recorded: Path) -> Path:
+    """Rewrite the markdown beside ``recorded`` (a run's JSON) from that JSON with this code's `render`; the JSON and
+    the plot stay as they are. Returns the markdown's path."""
+    if not recorded.is_file():
+        raise SystemExit(f"no recorded run at {recorded}: pass the .json a run wrote (benchmark/results/<machine>/)")
+    out = recorded.with_suffix(".md")
+    out.write_text(render(json.loads(recorded.read_text())))
     return out

@@ -134,6 +134,29 @@ def test_goal_ratios_use_the_medians_and_the_better_peer(tiny_run: dict[str, Any
     )
 
 
+def test_each_goal_is_also_taken_within_each_round(tiny_run: dict[str, Any], tmp_path: Path) -> None:
+    """Beside the ratio of medians (the verdict), the report gives the goal's ratio within each round, over the rounds
+    where both sides were measured: a slow spell of the machine weighs on both sides of a round's ratio. A merged run's
+    systems measured on different days are not paired."""
+    run = json.loads(json.dumps(tiny_run))
+    ours, openvino = [100.0, 300.0, 120.0, None], [80.0, 200.0, 400.0, 90.0]
+    run["figures"]["prefill_8_ms"] = {figures.OURS: ours, figures.OPENVINO: openvino}
+    goal = next(g for g in figures.goals(run) if g.row == "prefill_8_ms")
+    assert figures.goal_ratio(run, goal) == (pytest.approx(120.0 / 145.0), figures.OPENVINO)
+    assert figures.paired_ratios(run, goal, figures.OPENVINO) == pytest.approx([1.25, 1.5, 0.3])
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps(run))
+    peers.main(["--render", str(path)])
+    line = next(x for x in (tmp_path / "peers.md").read_text().splitlines() if x.startswith("| prefill 8: "))
+    assert line.endswith("| 0.83x (vs OpenVINO GenAI) | <= 1.0x | met | 1.25x (0.30–1.50) |"), line
+    assert json.loads(path.read_text()) == run and not (tmp_path / "peers.png").exists()
+    merged = run | {"measured": {"ours": "friday", "openvino": "monday"}}  # OpenVINO kept from an earlier run
+    assert figures.paired_ratios(merged, goal, figures.OPENVINO) == []
+    assert report.per_round(merged, goal, figures.OPENVINO) == "—"
+    with pytest.raises(SystemExit, match="no recorded run"):
+        peers.main(["--render", str(tmp_path / "missing.json")])
+
+
 def test_rerun_of_one_system_keeps_the_others(tiny_run: dict[str, Any]) -> None:
     previous = json.loads(json.dumps(tiny_run))
     previous["figures"]["decode_b1_ms"][figures.LLAMA] = [20.0]
