@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +66,7 @@ def per_round(run: dict[str, Any], goal: Goal, column: str) -> str:
     ratios = paired_ratios(run, goal, column) if column else []
     if not ratios:
         return "—"
-    mid = f"{statistics.median(ratios):.2f}x"
+    mid = f"{median(ratios):.2f}x"
     return mid if len(ratios) == 1 else f"{mid} ({min(ratios):.2f}–{max(ratios):.2f})"
 
 
