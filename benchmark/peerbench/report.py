@@ -327,6 +327,29 @@ def rerender(recorded: Path) -> Path:
     the plot stay as they are. Returns the markdown's path."""
     if not recorded.is_file():
         raise SystemExit(f"no recorded run at {recorded}: pass the .json a run wrote (benchmark/results/<machine>/)")
+    run = recorded_run(recorded)
     out = recorded.with_suffix(".md")
-    out.write_text(render(json.loads(recorded.read_text())))
+    out.write_text(render(run))
     return out
+
+
+RECORDED_KEYS = ("command", "rounds", "systems", "figures", "probes", "log", "settings")
+"""Keys every run's JSON holds (`python -m benchmark.peers` writes them): what tells a recorded run from another
+file."""
+
+
+def recorded_run(path: Path) -> dict[str, Any]:
+    """The run recorded at ``path``; `SystemExit` naming the fix when the file is not JSON or not a peers run's JSON
+    (another benchmark's results, a truncated file)."""
+    try:
+        run = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        fix = "pass the .json that `python -m benchmark.peers` wrote"
+        raise SystemExit(f"{path} is not JSON ({error}): {fix}") from None
+    missing = [key for key in RECORDED_KEYS if not isinstance(run, dict) or key not in run]
+    if missing:
+        raise SystemExit(
+            f"{path} is not a peers run (no {', '.join(missing)}): pass the .json that `python -m benchmark.peers` "
+            "wrote, e.g. benchmark/results/<machine>/peers.json"
+        )
+    return run

@@ -137,7 +137,8 @@ def test_goal_ratios_use_the_medians_and_the_better_peer(tiny_run: dict[str, Any
 def test_each_goal_is_also_taken_within_each_round(tiny_run: dict[str, Any], tmp_path: Path) -> None:
     """Beside the ratio of medians (the verdict), the report gives the goal's ratio within each round, over the rounds
     where both sides were measured: a slow spell of the machine weighs on both sides of a round's ratio. A merged run's
-    systems measured on different days are not paired."""
+    systems measured on different days are not paired. `--render` refuses a missing file, a file that is not JSON and
+    another JSON, each naming the file to pass."""
     run = json.loads(json.dumps(tiny_run))
     ours, openvino = [100.0, 300.0, 120.0, None], [80.0, 200.0, 400.0, 90.0]
     run["figures"]["prefill_8_ms"] = {figures.OURS: ours, figures.OPENVINO: openvino}
@@ -155,6 +156,13 @@ def test_each_goal_is_also_taken_within_each_round(tiny_run: dict[str, Any], tmp
     assert report.per_round(merged, goal, figures.OPENVINO) == "—"
     with pytest.raises(SystemExit, match="no recorded run"):
         peers.main(["--render", str(tmp_path / "missing.json")])
+    (tmp_path / "notes.json").write_text("rounds: 8")
+    with pytest.raises(SystemExit, match=r"is not JSON .* benchmark\.peers"):
+        peers.main(["--render", str(tmp_path / "notes.json")])
+    (tmp_path / "other.json").write_text(json.dumps({"cells": {}, "rounds": 2}))
+    with pytest.raises(SystemExit, match=r"is not a peers run \(no command, systems, figures"):
+        peers.main(["--render", str(tmp_path / "other.json")])
+    assert not (tmp_path / "notes.md").exists() and not (tmp_path / "other.md").exists()
 
 
 def test_rerun_of_one_system_keeps_the_others(tiny_run: dict[str, Any]) -> None:
