@@ -18,7 +18,9 @@ Measured, each in a fresh process, in rounds of (ours, OpenVINO GenAI, llama.cpp
 decode ms/token at batch 1 (and our and OpenVINO's batch-8 step), prefill of 256 and 1,024 tokens, and 8 prompts of
 ~200 tokens -> 128 new tokens each (ours through `generate()` and `vllm.LLM`, OpenVINO's ContinuousBatchingPipeline
 with split-fuse, budget 256). The probes (read bandwidth, fp32 GEMM peak) run at the start and the end of the run
-and give the floors. See benchmark/README.md ("Peers on this CPU").
+and give the floors; before each measurement, the machine's in-cache multiply-add rate on one thread and on two is
+recorded (`probes.core_rates`: whether the two vCPUs were two cores' worth then). See benchmark/README.md ("Peers on
+this CPU").
 """
 
 from __future__ import annotations

@@ -133,6 +133,30 @@ def paired_ratios(run: dict[str, Any], goal: Goal, column: str) -> list[float]:
     return [float(t) / float(b) for t, b in zip(tops, bottoms, strict=False) if t is not None and b]
 
 
+@dataclass(frozen=True)
+class RoundCompute:
+    """What the machine gave in one round, over its measurements (`probes.core_rates`, recorded before each one):
+    the median two-thread rate (FLOP/s) and the median of the two-thread rate over the one-thread one."""
+
+    round: int
+    two: float
+    scaling: float
+
+
+def round_compute(run: dict[str, Any]) -> list[RoundCompute]:
+    """`RoundCompute` of each round whose log records ``compute`` (none for a run recorded before it did), in order."""
+    by_round: dict[int, list[dict[str, float]]] = {}
+    for entry in run["log"]:
+        if entry.get("compute"):
+            by_round.setdefault(entry["round"], []).append(entry["compute"])
+    return [
+        RoundCompute(
+            index, statistics.median(c["two"] for c in rates), statistics.median(c["two"] / c["one"] for c in rates)
+        )
+        for index, rates in sorted(by_round.items())
+    ]
+
+
 def met(goal: Goal, ratio: float | None) -> str:
     """``met`` / ``not met`` / ``n/a``."""
     if ratio is None:

@@ -9,6 +9,10 @@ day to the next: a floor is never quoted from another run). Run in a fresh proce
   one our linear layers run: about twice torch's rate on an AVX-512 machine, so torch's alone is no peak), the best
   of several runs of each;
 - the model's weight bytes (tied embeddings once) and FLOPs per token, from its config.
+
+Beside them, `core_rates` runs before every measurement of a run (in the benchmark's own process, a fraction of a
+second): how many cores' worth of multiply-adds the machine gives at that moment. On a VM whose two vCPUs at times
+share one physical core, the two-thread rate halves while the one-thread rate holds.
 """
 
 from __future__ import annotations
@@ -60,6 +64,39 @@ def gemm_peak(size: int = 2048, repeats: int = 5) -> dict[str, float]:
             best = min(best, time.perf_counter() - start)
         flops[name] = 2 * size**3 / best
     return flops
+
+
+CORE_SHAPE = (256, 576, 576)
+"""``M, K, N`` of `core_rates`' product: a prefill chunk's rows on one SmolLM2 projection; x, the packed weight and the
+output (~2 MB) stay in the caches, so the product is bound by the multiply-adds alone."""
+
+
+def core_rates(seconds: float = 0.15) -> dict[str, float]:
+    """FLOP/s of the packed kernel (`optimum.neuron.kernels.packed`) on an in-cache product of `CORE_SHAPE`, on one
+    thread (``one``) and on `THREADS` (``two``): each the median over the calls that fit in ``seconds``, after one
+    warm-up call. torch's thread count is restored."""
+    from optimum.neuron.kernels import library
+    from optimum.neuron.kernels.packed import pack, packed_linear
+
+    library.load()
+    rows, inner, outer = CORE_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(rows, inner, generator=generator), pack(torch.randn(outer, inner, generator=generator))
+    before, rates = torch.get_num_threads(), {}
+    try:
+        for name, threads in (("one", 1), ("two", THREADS)):
+            torch.set_num_threads(threads)
+            packed_linear(x, weight, None, outer)
+            times, end = [], time.perf_counter() + seconds
+            while time.perf_counter() < end or len(times) < 3:
+                start = time.perf_counter()
+                packed_linear(x, weight, None, outer)
+                times.append(time.perf_counter() - start)
+            times.sort()
+            rates[name] = 2 * rows * inner * outer / times[len(times) // 2]
+    finally:
+        torch.set_num_threads(before)
+    return rates
 
 
 def model_shape(model_dir: str | Path) -> dict[str, int]:

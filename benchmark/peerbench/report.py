@@ -26,6 +26,7 @@ from benchmark.peerbench.figures import (
     median,
     met,
     paired_ratios,
+    round_compute,
     rows,
     weight_format,
     workload_positions,
@@ -144,7 +145,26 @@ def header(run: dict[str, Any]) -> list[str]:
             f"1-minute load average around the measurements: {min(loads):.2f}–{max(loads):.2f} (2 cores: above "
             "~2.5 another process shared them; rerun on a quiet machine)."
         )
+    compute = compute_line(run)
+    if compute:
+        lines += ["", compute]
     return lines
+
+
+def compute_line(run: dict[str, Any]) -> str:
+    """The machine's multiply-add rate before each measurement, per round (`figures.round_compute`); empty for a
+    run recorded before it was measured."""
+    rounds = round_compute(run)
+    if not rounds:
+        return ""
+    each = ", ".join(f"{r.round}: {r.two / 1e9:.0f} GFLOP/s ({r.scaling:.2f}x)" for r in rounds)
+    return (
+        "Multiply-adds the machine gave before each measurement (our packed kernel on an in-cache 256 x 576 x 576 "
+        "product, two threads, and in brackets two threads over one; the median of each round's measurements): "
+        f"{each}. Near 2x: two cores' worth; near 1x: the two threads shared one core's vector units when the "
+        "measurement began (a VM's vCPUs on one physical core), which slows whichever system runs then: compare "
+        "systems within a round (the goals' per-round column)."
+    )
 
 
 def bytes_counted(run: dict[str, Any]) -> str:

@@ -1,5 +1,6 @@
 """The interleaved rounds: every measurement of every system in a fresh process, the machine's 1-minute load
-recorded before and after each one."""
+recorded before and after each one, and how many cores' worth of multiply-adds it gave just before
+(`probes.core_rates`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmark.peerbench import llamacpp
+from benchmark.peerbench import llamacpp, probes
 from benchmark.peerbench.figures import LLAMA, OPENVINO, OURS, VLLM
 from benchmark.peerbench.formats import OURS_FORMATS
 from benchmark.peerbench.layout import Layout
@@ -197,7 +198,7 @@ def run_rounds(
 
 def run_one(layout: Layout, measure: Measure, figures: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
     """Run one measurement, add its values to ``figures``; its log entry (a failure is logged, not raised)."""
-    entry: dict[str, Any] = {"load_before": os.getloadavg()[0]}
+    entry: dict[str, Any] = {"load_before": os.getloadavg()[0], "compute": probes.core_rates()}
     start = time.perf_counter()
     try:
         result = execute(layout, measure)

@@ -165,6 +165,32 @@ def test_each_goal_is_also_taken_within_each_round(tiny_run: dict[str, Any], tmp
     assert not (tmp_path / "notes.md").exists() and not (tmp_path / "other.md").exists()
 
 
+def test_the_machine_s_multiply_adds_are_recorded_before_each_measurement(tiny_run: dict[str, Any]) -> None:
+    """Before each measurement the run records the packed kernel's in-cache rate on one thread and on two
+    (`probes.core_rates`, torch's thread count left as it was); the report gives each round's median two-thread rate
+    and its two-over-one scaling; a run recorded before that has no such line."""
+    rates = [m["compute"] for m in tiny_run["log"]]
+    assert len(rates) == 4 and all(r["one"] > 1e9 and r["two"] > 1e9 for r in rates), rates
+    threads = torch.get_num_threads()
+    assert set(probes.core_rates(0.01)) == {"one", "two"} and torch.get_num_threads() == threads
+    (line,) = [x for x in report.render(tiny_run).splitlines() if x.startswith("Multiply-adds the machine gave")]
+    (only,) = figures.round_compute(tiny_run)
+    assert f"1: {only.two / 1e9:.0f} GFLOP/s ({only.scaling:.2f}x)" in line, line
+    log = [
+        {"round": 1, "compute": {"one": 1e11, "two": 2e11}},
+        {"round": 1, "compute": {"one": 1e11, "two": 1.2e11}},
+        {"round": 1, "compute": {"one": 1e11, "two": 1.6e11}},
+        {"round": 2, "compute": {"one": 1.5e11, "two": 1.5e11}},
+        {"round": 2, "error": "an entry recorded without a rate is left out"},
+    ]
+    assert figures.round_compute({"log": log}) == [
+        figures.RoundCompute(1, 1.6e11, pytest.approx(1.6)),
+        figures.RoundCompute(2, 1.5e11, 1.0),
+    ]
+    older = {**tiny_run, "log": [{k: v for k, v in m.items() if k != "compute"} for m in tiny_run["log"]]}
+    assert not figures.round_compute(older) and "Multiply-adds" not in report.render(older)
+
+
 def test_rerun_of_one_system_keeps_the_others(tiny_run: dict[str, Any]) -> None:
     previous = json.loads(json.dumps(tiny_run))
     previous["figures"]["decode_b1_ms"][figures.LLAMA] = [20.0]
