@@ -12,7 +12,8 @@ day to the next: a floor is never quoted from another run). Run in a fresh proce
 
 Beside them, `core_rates` runs before every measurement of a run (in the benchmark's own process, a fraction of a
 second): how many cores' worth of multiply-adds the machine gives at that moment. On a VM whose two vCPUs at times
-share one physical core, the two-thread rate halves while the one-thread rate holds.
+share one physical core, the two-thread rate falls toward the one-thread one; when the host slows both vCPUs, both
+rates fall.
 """
 
 from __future__ import annotations

@@ -162,8 +162,8 @@ def compute_line(run: dict[str, Any]) -> str:
         "Multiply-adds the machine gave before each measurement (our packed kernel on an in-cache 256 x 576 x 576 "
         "product, two threads, and in brackets two threads over one; the median of each round's measurements): "
         f"{each}. Near 2x: two cores' worth; near 1x: the two threads shared one core's vector units when the "
-        "measurement began (a VM's vCPUs on one physical core), which slows whichever system runs then: compare "
-        "systems within a round (the goals' per-round column)."
+        "measurement began (a VM's vCPUs on one physical core); a low rate near 2x: the host slowed both. Either "
+        "slows whichever system runs then: compare systems within a round (the goals' per-round column)."
     )
 
 
