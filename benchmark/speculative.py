@@ -17,10 +17,11 @@ Workloads, greedy, a fixed number of new tokens (EOS does not stop them):
   cost much there.
 
 Per workload, batch and k (0: no speculation), in a fresh process after one warm-up call: output tokens per second
-(every prompt's new tokens over the wall time of the `generate` calls), and tokens per decode step (new tokens over
-the engine steps that decode); batch 8 runs 8 prompts in one `generate` call, or 16 through vLLM (more requests than
-slots), and ``--draft`` measures batch 1 only (the draft artifact holds one sequence). Every k's tokens are checked
-equal to k = 0's. Rounds interleave the k values.
+(every prompt's new tokens over the wall time of the `generate` calls), tokens per decode step (new tokens over
+the engine steps that decode), and those steps' share of the wall time (with the work between steps; the report bounds
+with it what the cell's tokens per step could give if its decode steps cost a plain step); batch 8 runs 8 prompts in
+one `generate` call, or 16 through vLLM (more requests than slots), and ``--draft`` measures batch 1 only (the draft
+artifact holds one sequence). Every k's tokens are checked equal to k = 0's. Rounds interleave the k values.
 Results: ``benchmark/results/<machine>/speculative.md`` and ``.json`` (``speculative-vllm.*`` with ``--vllm``, where
 tokens per decode step come from the runner's step records and the kept share of the drafts from vLLM's spec-decode
 counters).
@@ -123,12 +124,16 @@ def measure(artifact: str, workload: str, count: int, new: int, lookup: int) -> 
     model = NeuronModelForCausalLM.from_pretrained(artifact)
     tokenizer = AutoTokenizer.from_pretrained(artifact)
     batch = model.engine.config.batch_size
-    engine, steps = model.engine, [0]
+    engine, steps, prefilling = model.engine, [0], [0.0]
     step = engine.step
 
     def counted(work: Any, *args: Any, **kwargs: Any) -> Any:
-        steps[0] += all(n == 1 for n in work.values())
-        return step(work, *args, **kwargs)
+        decode = all(n == 1 for n in work.values())
+        started = time.perf_counter()
+        result = step(work, *args, **kwargs)
+        steps[0] += decode
+        prefilling[0] += 0.0 if decode else time.perf_counter() - started
+        return result
 
     def run(messages: list[str]) -> list[list[int]]:
         chats = [[{"role": "user", "content": m}] for m in messages]
@@ -149,7 +154,12 @@ def measure(artifact: str, workload: str, count: int, new: int, lookup: int) -> 
         tokens.extend(run(texts[first : first + batch]))
     seconds = time.perf_counter() - start
     made = sum(map(len, tokens))
-    return {"tok_s": made / seconds, "tokens_per_step": made / max(steps[0], 1), "tokens": tokens}
+    return {
+        "tok_s": made / seconds,
+        "tokens_per_step": made / max(steps[0], 1),
+        "decode_share": 1 - prefilling[0] / seconds,  # the decode steps with the host's work between steps
+        "tokens": tokens,
+    }
 
 
 def measure_vllm(
@@ -181,7 +191,8 @@ def measure_vllm(
     outputs = llm.generate(requests, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    steps = [r for r in llm.collective_rpc("step_records")[0][before:] if r["decodes"] and not r["prefills"]]
+    records = llm.collective_rpc("step_records")[0][before:]
+    steps = [r for r in records if r["decodes"] and not r["prefills"]]
     metrics = llm.get_metrics()
     counters = {m.name: float(getattr(m, "value", 0.0)) for m in metrics if m.name.startswith("vllm:spec_decode_num_")}
     drafted = counters.get("vllm:spec_decode_num_draft_tokens", 0.0)
@@ -190,8 +201,18 @@ def measure_vllm(
         "tok_s": made / seconds,
         "tokens_per_step": made / max(len(steps), 1),
         "kept": counters.get("vllm:spec_decode_num_accepted_tokens", 0.0) / drafted if drafted else 0.0,
+        "decode_share": decode_seconds(records) / seconds,
         "tokens": tokens,
     }
+
+
+def decode_seconds(records: list[dict[str, Any]]) -> float:
+    """The time the decode-only steps among the worker's step ``records`` took, each from its start to the next step's
+    (so with the scheduler's work between them: it too is paid once per step)."""
+    if not records:
+        return 0.0
+    ends = [r["started"] for r in records[1:]] + [records[-1]["started"] + records[-1]["seconds"]]
+    return sum(end - r["started"] for r, end in zip(records, ends, strict=True) if r["decodes"] and not r["prefills"])
 
 
 def main() -> None:
@@ -252,6 +273,7 @@ def main() -> None:
             "tok_s": statistics.median(r["tok_s"] for r in runs),
             "tokens_per_step": statistics.median(r["tokens_per_step"] for r in runs),
             "kept": statistics.median(r.get("kept", 0.0) for r in runs),
+            "decode_share": statistics.median(r["decode_share"] for r in runs),
             "tokens": runs[0]["tokens"],
         }
     drafted = f"-draft-{args.draft.replace(':', '')}" if args.draft else ""
@@ -292,8 +314,9 @@ def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
         f"per prompt (EOS not stopping them); each cell in a fresh process, the median of {body['rounds']} "
         "interleaved round(s)." + (f" Code: {body['code']}; ended {body['ended']}." if "code" in body else ""),
         "",
-        "| workload | batch | k | output tok/s | x k=0 | tokens per decode step | drafts kept | tokens equal to k=0 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | batch | k | output tok/s | x k=0 | tokens per decode step | drafts kept | decode steps' share "
+        "of the time | x k=0 if its decode steps cost k=0's | tokens equal to k=0 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for workload in ("copy", "chat"):
         for batch in batches:
@@ -302,11 +325,32 @@ def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
                 cell = cells[f"{workload} b{batch} k{lookup}"]
                 same = "yes" if cell["tokens"] == base["tokens"] else "NO"
                 kept = f"{100 * cell['kept']:.0f} %" if vllm and lookup else "-"
+                share = f"{100 * cell['decode_share']:.0f} %" if "decode_share" in cell else "-"
+                free = f"{free_verification(base, cell):.2f}x" if lookup and "decode_share" in base else "-"
                 lines.append(
                     f"| {workload} | {batch} | {lookup} | {cell['tok_s']:.1f} | {cell['tok_s'] / base['tok_s']:.2f}x "
-                    f"| {cell['tokens_per_step']:.2f} | {kept} | {same} |"
+                    f"| {cell['tokens_per_step']:.2f} | {kept} | {share} | {free} | {same} |"
                 )
+    lines += ["", FREE_NOTE]
     return "\n".join(lines) + "\n"
+
+
+FREE_NOTE = (
+    "Decode steps' share of the time: of the wall time of a cell's calls, the steps that only decode (no prompt "
+    "tokens), each with the work between it and the next step. x k=0 if its decode steps cost k=0's: the speedup "
+    "the cell's tokens per decode step would give if each of its decode steps (a verification call, the drafting) "
+    "cost what a plain decode step of k=0 costs, the rest of the time (the steps that prefill) as at k=0: 1 / (1 - p + "
+    "p x s0 / s), p and s0 the k=0 cell's share and tokens per decode step, s this cell's. It bounds what speculation "
+    "at this cell's tokens per step can give; the measured x k=0 falls short of it by what the verification calls' "
+    "extra columns and the drafting cost."
+)
+
+
+def free_verification(base: dict[str, Any], cell: dict[str, Any]) -> float:
+    """The speedup over ``base`` (k = 0) that ``cell``'s tokens per decode step would give if each of its decode
+    steps cost what one of ``base``'s does and the rest of the time (prefills) stayed ``base``'s."""
+    share = base["decode_share"]
+    return 1 / (1 - share + share * base["tokens_per_step"] / cell["tokens_per_step"])
 
 
 if __name__ == "__main__":

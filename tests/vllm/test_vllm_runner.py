@@ -52,6 +52,8 @@ def test_whole_long_prompt_in_one_step_runs_several_chunks(runner: Runner) -> No
     assert d.out["a"] == want
     assert runner.records[0].prefills == [("a", 0, len(ids))]
     assert runner.records[1].decodes == ["a"]
+    prefill, decode = runner.records[0], runner.records[1]  # each step's engine work, timed one after the other
+    assert prefill.seconds > 0 and prefill.started + prefill.seconds <= decode.started and decode.seconds > 0
 
 
 def test_decodes_run_in_the_same_step_as_another_prompt_chunk(runner: Runner) -> None:

@@ -16,6 +16,7 @@ not a request, and vLLM stops (a supervisor restarts it, docs/vllm.md).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,13 +38,16 @@ logger = compat.logger(__name__)
 @dataclass
 class StepRecord:
     """What one step ran, for logs and tests: decoded request ids, ``(req_id, start, count)`` prefills, the
-    ``(req_id, image index)`` of every image encoded, and whether the decodes ran in the mixed graph beside a chunk."""
+    ``(req_id, image index)`` of every image encoded, whether the decodes ran in the mixed graph beside a chunk, and
+    when the step's engine work began (``time.perf_counter()`` of the worker's process) and how long it took."""
 
     index: int
     decodes: list[str] = field(default_factory=list)
     prefills: list[tuple[str, int, int]] = field(default_factory=list)
     encoded: list[tuple[str, int]] = field(default_factory=list)
     mixed: bool = False
+    started: float = 0.0
+    seconds: float = 0.0
 
 
 @dataclass
@@ -98,8 +102,9 @@ class Runner:
             if req_id in work:
                 work[req_id] -= rows
         drafts = {r: tokens for r, tokens in step.spec_tokens.items() if r in work}
+        started = time.perf_counter()
         result = self._step(work, grammar_output, failed, drafts)
-        self._record(result)
+        self._record(result, started)
         scheduled = list(step.num_scheduled_tokens)
         sampled = {r: self._new_tokens(result, r) for r in scheduled}
         accepted = {str(r): n for r, n in result.accepted.items()}
@@ -188,13 +193,14 @@ class Runner:
                 f"{computed}; the scheduler and the runner disagree."
             )
 
-    def _record(self, result: StepResult) -> None:
-        """Log what ``result`` ran (`records`)."""
+    def _record(self, result: StepResult, started: float) -> None:
+        """Log what ``result`` ran (`records`), its engine work having begun at ``started``."""
         if result.decodes or result.prefills:
             decodes = [str(r) for r in result.decodes]
             prefills = [(str(r), start, count) for r, start, count in result.prefills]
             encoded = [(str(r), index) for r, index in result.encoded]
-            self.records.append(StepRecord(self._steps, decodes, prefills, encoded, result.mixed))
+            seconds = time.perf_counter() - started
+            self.records.append(StepRecord(self._steps, decodes, prefills, encoded, result.mixed, started, seconds))
         self._steps += 1
 
 

@@ -230,7 +230,8 @@ class NeuronxWorker(compat.worker_base()):  # type: ignore[misc]
 
     def step_records(self) -> list[dict[str, Any]]:
         """The steps run so far as plain data (``index``, ``decodes``: request ids, ``prefills``:
-        ``[req_id, start, count]``), so they cross vLLM's process boundary unchanged."""
+        ``[req_id, start, count]``, ``started`` / ``seconds``: the engine work's start and wall time, as
+        `StepRecord`), so they cross vLLM's process boundary unchanged."""
         return self._on_step_thread(lambda: [dataclasses.asdict(r) for r in self.runner.records] if self.runner else [])
 
     def slot_usage(self) -> dict[int, Any]:
