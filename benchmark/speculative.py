@@ -192,7 +192,7 @@ def measure_vllm(
     seconds = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     records = llm.collective_rpc("step_records")[0][before:]
-    steps = [r for r in records if r["decodes"] and not r["prefills"]]
+    steps = [r for r in records if decode_only(r)]
     metrics = llm.get_metrics()
     counters = {m.name: float(getattr(m, "value", 0.0)) for m in metrics if m.name.startswith("vllm:spec_decode_num_")}
     drafted = counters.get("vllm:spec_decode_num_draft_tokens", 0.0)
@@ -206,13 +206,18 @@ def measure_vllm(
     }
 
 
+def decode_only(record: dict[str, Any]) -> bool:
+    """Whether the worker's step ``record`` only decoded (no prompt tokens fed)."""
+    return bool(record["decodes"]) and not record["prefills"]
+
+
 def decode_seconds(records: list[dict[str, Any]]) -> float:
     """The time the decode-only steps among the worker's step ``records`` took, each from its start to the next step's
     (so with the scheduler's work between them: it too is paid once per step)."""
     if not records:
         return 0.0
     ends = [r["started"] for r in records[1:]] + [records[-1]["started"] + records[-1]["seconds"]]
-    return sum(end - r["started"] for r, end in zip(records, ends, strict=True) if r["decodes"] and not r["prefills"])
+    return sum(end - r["started"] for r, end in zip(records, ends, strict=True) if decode_only(r))
 
 
 def main() -> None:

@@ -4,7 +4,6 @@ speedup a cell's tokens per step would give if its verification calls cost a pla
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,7 +38,7 @@ def cell(tok_s: float, tokens_per_step: float, share: float | None) -> dict[str,
 
 
 @pytest.mark.parametrize("share", [0.5, None])
-def test_report_gives_the_share_and_the_bound_where_measured(tmp_path: Path, share: float | None) -> None:
+def test_report_gives_the_share_and_the_bound_where_measured(share: float | None) -> None:
     body = {
         "machine": {"cpu": "test cpu", "cores": 2},
         "rounds": 1,
