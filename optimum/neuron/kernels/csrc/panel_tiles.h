@@ -695,7 +695,7 @@ inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first
 // once per 64 columns. Blocks of 8 rows (`row_blocks`) take 2 panels per tile there (`panels_per_tile`: 3 would leave
 // a group of 1), 10 loads for 16 fused multiply-adds, each row read twice. The chunk attention's products (64-query
 // tiles: 4 panels) of a 1,024-token prompt's chunks, SmolLM2's 9 heads, the two blockings alternating in one process
-// on the Xeon VM: 0.96-0.99x the time on one thread, 0.98-0.99x on two. Otherwise `row_blocks`.
+// on the Xeon VM: 0.96-0.99x the time on one thread, 0.93-0.99x on two. Otherwise `row_blocks`.
 inline RowBlocks serial_row_blocks(int64_t m, int64_t panels) {
   if (isa() != Isa::kAvx512 || panels < kMaxPanels) return row_blocks(m);
   const int64_t most = accumulators() / (registers_per_panel() * kMaxPanels);
