@@ -547,9 +547,15 @@ struct RowBlocks {
   int64_t rows(int64_t b) const { return tail != 0 && b == count - 1 ? tail : base + (b < extra ? 1 : 0); }
 };
 
+// `m` rows in as few blocks of at most `most` rows as can hold them, as even as possible (14 rows, 8 at most: 7 + 7).
+RowBlocks even_row_blocks(int64_t m, int64_t most) {
+  const int64_t count = (m + most - 1) / most;
+  return {count, m / count, m % count, 0};
+}
+
 RowBlocks row_blocks(int64_t m) {
+  if (isa() == Isa::kAvx512) return even_row_blocks(m, max_rows());
   const int64_t count = (m + max_rows() - 1) / max_rows();
-  if (isa() == Isa::kAvx512) return {count, m / count, m % count, 0};
   return {count, max_rows(), 0, m - (count - 1) * max_rows()};
 }
 
@@ -698,9 +704,7 @@ inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first
 // on the Xeon VM: 0.96-0.99x the time on one thread, 0.93-0.99x on two. Otherwise `row_blocks`.
 inline RowBlocks serial_row_blocks(int64_t m, int64_t panels) {
   if (isa() != Isa::kAvx512 || panels < kMaxPanels) return row_blocks(m);
-  const int64_t most = accumulators() / (registers_per_panel() * kMaxPanels);
-  const int64_t count = (m + most - 1) / most;
-  return {count, m / count, m % count, 0};
+  return even_row_blocks(m, accumulators() / (registers_per_panel() * kMaxPanels));
 }
 
 // y [M, 16 panels] (row stride ldy) = x [M, K] (row stride ldx) times fp32 panels w [panels, K, 16] (panel stride
