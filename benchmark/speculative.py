@@ -6,7 +6,7 @@ with int8 or int4 weights (``--draft int8`` / ``int4``), or its first N decoder 
 (``--draft layers:N``, an untrained early exit). There is no smaller model with SmolLM2's tokenizer here.
 
     .venv/bin/python -m benchmark.speculative [--quick] [--rounds N] [--batches 1,8]
-        [--vllm [--draft int8|int4|layers:N]]
+        [--vllm [--draft int8|int4|layers:N] [--verify-every] [--requests N]] [--lookups 2,4,6]
 
 Artifacts: fp32, inductor, S=1024, C=256, ``--speculation_length 6``, batch 1 and batch 8 (one verification graph each).
 Workloads, greedy, a fixed number of new tokens (EOS does not stop them):
@@ -18,10 +18,11 @@ Workloads, greedy, a fixed number of new tokens (EOS does not stop them):
 
 Per workload, batch and k (0: no speculation), in a fresh process after one warm-up call: output tokens per second
 (every prompt's new tokens over the wall time of the `generate` calls), tokens per decode step (new tokens over
-the engine steps that decode), and those steps' share of the wall time (with the work between steps; the report bounds
-with it what the cell's tokens per step could give if its decode steps cost a plain step); batch 8 runs 8 prompts in
-one `generate` call, or 16 through vLLM (more requests than slots), and ``--draft`` measures batch 1 only (the draft
-artifact holds one sequence). Every k's tokens are checked equal to k = 0's. Rounds interleave the k values.
+the engine steps that decode), the rows those steps decoded, and those steps' share of the wall time (with the work
+between steps; the report bounds with it what the cell's tokens per step could give if its decode steps cost a plain
+step); batch 8 runs 8 prompts in one `generate` call, or 16 through vLLM (more requests than slots; ``--requests N``
+for more, which keeps the steps fuller for longer), and ``--draft`` measures batch 1 only (the draft artifact holds one
+sequence). Every k's tokens are checked equal to k = 0's. Rounds interleave the k values.
 Results: ``benchmark/results/<machine>/speculative.md`` and ``.json`` (``speculative-vllm.*`` with ``--vllm``, where
 tokens per decode step come from the runner's step records and the kept share of the drafts from vLLM's spec-decode
 counters).
@@ -47,6 +48,10 @@ MACHINE = "cpu-2core"
 SEQUENCE_LENGTH, CHUNK, SPECULATION = 1024, 256, 6
 LOOKUPS = (0, 2, 4, 6)
 PASSAGE_WORDS = 90
+PASSAGE_POOL = 64
+"""The copy workload's passages are the first of this many, evenly spaced over the documentation (`passages`)."""
+REQUESTS = 16
+"""Requests per batch-8 cell through vLLM by default (`--requests`)."""
 
 
 def export_for(model_dir: Path, batch: int) -> Path:
@@ -99,16 +104,24 @@ def first_layers(model_dir: Path, layers: int) -> Path:
 
 
 def passages(count: int) -> list[str]:
-    """``count`` passages of about `PASSAGE_WORDS` words of the Python documentation, in a fixed order."""
+    """The first ``count`` of `PASSAGE_POOL` passages of about `PASSAGE_WORDS` words, evenly spaced over the Python
+    documentation: the same texts whatever the count, so that a batch-1 cell runs the first prompts of a batch-8 one."""
     from pydoc_data.topics import topics
 
     words = " ".join(topics[name] for name in sorted(topics)).split()
-    step = len(words) // count
+    step = len(words) // PASSAGE_POOL
     return [" ".join(words[i * step : i * step + PASSAGE_WORDS]) for i in range(count)]
 
 
+def most_requests() -> int:
+    """The most prompts a cell can have: one per passage and per chat topic."""
+    return min(PASSAGE_POOL, len(TOPICS))
+
+
 def prompts(workload: str, count: int) -> list[str]:
-    """The user messages of ``workload``."""
+    """The first ``count`` user messages of ``workload`` (at most `most_requests`)."""
+    if not 0 < count <= most_requests():
+        raise ValueError(f"{count} prompts asked; the workloads hold 1 to {most_requests()}")
     if workload == "copy":
         return [f"Repeat the following passage exactly, word for word:\n\n{text}" for text in passages(count)]
     return [f"Explain {topic} in two sentences." for topic in TOPICS[:count]]
@@ -124,7 +137,7 @@ def measure(artifact: str, workload: str, count: int, new: int, lookup: int) -> 
     model = NeuronModelForCausalLM.from_pretrained(artifact)
     tokenizer = AutoTokenizer.from_pretrained(artifact)
     batch = model.engine.config.batch_size
-    engine, steps, prefilling = model.engine, [0], [0.0]
+    engine, steps, rows, prefilling = model.engine, [0], [0], [0.0]
     step = engine.step
 
     def counted(work: Any, *args: Any, **kwargs: Any) -> Any:
@@ -132,6 +145,7 @@ def measure(artifact: str, workload: str, count: int, new: int, lookup: int) -> 
         started = time.perf_counter()
         result = step(work, *args, **kwargs)
         steps[0] += decode
+        rows[0] += len(work) if decode else 0
         prefilling[0] += 0.0 if decode else time.perf_counter() - started
         return result
 
@@ -157,6 +171,7 @@ def measure(artifact: str, workload: str, count: int, new: int, lookup: int) -> 
     return {
         "tok_s": made / seconds,
         "tokens_per_step": made / max(steps[0], 1),
+        "rows_per_step": rows[0] / max(steps[0], 1),
         "decode_share": 1 - prefilling[0] / seconds,  # the decode steps with the host's work between steps
         "tokens": tokens,
     }
@@ -200,6 +215,7 @@ def measure_vllm(
     return {
         "tok_s": made / seconds,
         "tokens_per_step": made / max(len(steps), 1),
+        "rows_per_step": rows_per_step(steps),
         "kept": counters.get("vllm:spec_decode_num_accepted_tokens", 0.0) / drafted if drafted else 0.0,
         "decode_share": decode_seconds(records) / seconds,
         "tokens": tokens,
@@ -209,6 +225,11 @@ def measure_vllm(
 def decode_only(record: dict[str, Any]) -> bool:
     """Whether the worker's step ``record`` only decoded (no prompt tokens fed)."""
     return bool(record["decodes"]) and not record["prefills"]
+
+
+def rows_per_step(steps: list[dict[str, Any]]) -> float:
+    """The mean number of sequences the decode-only step records ``steps`` decoded (0.0 without any)."""
+    return sum(len(r["decodes"]) for r in steps) / len(steps) if steps else 0.0
 
 
 def decode_seconds(records: list[dict[str, Any]]) -> float:
@@ -233,6 +254,14 @@ def main() -> None:
         "--verify-every", action="store_true", help="with --vllm: the worker's gate off (every proposal verified)"
     )
     parser.add_argument(
+        "--requests",
+        type=int,
+        default=REQUESTS,
+        help=f"with --vllm: requests per batch-8 cell (default {REQUESTS}; more keep 8 rows decoding longer: results "
+        "-r<N>)",
+    )
+    parser.add_argument("--lookups", help="comma-separated k values to measure (default 0,2,4,6; 0 is always run)")
+    parser.add_argument(
         "--batches",
         help="comma-separated batch sizes to measure (default 1,8; the results' name then ends in -b<sizes>)",
     )
@@ -245,9 +274,15 @@ def main() -> None:
     from optimum.neuron.progress import StepProgress
     from optimum.neuron.smollm2 import convert_smollm2, default_smollm2_dir
 
+    batches: tuple[int, ...]
+    lookups: tuple[int, ...]
     batches, lookups, new = ((1,), (0, 4), 32) if args.quick else ((1,) if args.draft else (1, 8), LOOKUPS, args.new)
     if args.batches:
         batches = tuple(int(b) for b in args.batches.split(","))
+    if args.lookups:
+        lookups = tuple(sorted({0, *(int(k) for k in args.lookups.split(","))}))
+    if not 0 < args.requests <= most_requests():
+        parser.error(f"--requests takes 1 to {most_requests()} (one prompt per passage and chat topic)")
     model_dir = convert_smollm2(default_smollm2_dir("fp32"), dtype="fp32")
     artifacts = {batch: str(export_for(model_dir, batch)) for batch in batches}
     draft = str(draft_for(model_dir, args.draft)) if args.draft else None
@@ -257,7 +292,7 @@ def main() -> None:
     with StepProgress("benchmark prompt-lookup speculation", args.rounds * len(cells)) as bar:
         for _ in range(args.rounds):
             for workload, batch, lookup in cells:
-                count = 2 if args.quick else prompt_count(batch, args.vllm)
+                count = 2 if args.quick else prompt_count(batch, args.vllm, args.requests)
                 with bar.step(f"{workload}, batch {batch}, k {lookup}"):
                     spec = {"artifact": artifacts[batch], "workload": workload, "count": count, "new": new}
                     found = run_worker(
@@ -268,6 +303,7 @@ def main() -> None:
     body = {"machine": describe(), "rounds": args.rounds, "new": new, "lookups": list(lookups), "cells": {}}
     body["vllm"], body["draft"], body["verify_every"] = args.vllm, args.draft, args.verify_every
     body["batches"] = list(batches) if args.batches else None
+    body["requests"] = args.requests if args.vllm and 8 in batches else None
     body["results"], body["code"], body["ended"] = (
         args.machine,
         ours(),
@@ -277,6 +313,7 @@ def main() -> None:
         body["cells"][key] = {
             "tok_s": statistics.median(r["tok_s"] for r in runs),
             "tokens_per_step": statistics.median(r["tokens_per_step"] for r in runs),
+            "rows_per_step": statistics.median(r["rows_per_step"] for r in runs),
             "kept": statistics.median(r.get("kept", 0.0) for r in runs),
             "decode_share": statistics.median(r["decode_share"] for r in runs),
             "tokens": runs[0]["tokens"],
@@ -284,16 +321,19 @@ def main() -> None:
     drafted = f"-draft-{args.draft.replace(':', '')}" if args.draft else ""
     everyone = "-every" if args.verify_every else ""
     sized = "-b" + "-".join(map(str, batches)) if args.batches else ""
+    sized += f"-r{args.requests}" if body["requests"] not in (None, REQUESTS) else ""
+    sized += "-k" + "-".join(map(str, lookups)) if args.lookups else ""
     name = (
         "speculative" + ("-vllm" if args.vllm else "") + drafted + everyone + sized + ("-quick" if args.quick else "")
     )
     save_results(RESULTS / args.machine / f"{name}.json", body, render(body, batches))
 
 
-def prompt_count(batch: int, vllm: bool) -> int:
-    """Prompts per cell: 4 at batch 1; at batch 8, 8 in one `generate` call, or 16 through vLLM, whose scheduler admits
-    a waiting request as soon as a running one finishes (more requests than slots)."""
-    return 4 if batch == 1 else (16 if vllm else 8)
+def prompt_count(batch: int, vllm: bool, requests: int = REQUESTS) -> int:
+    """Prompts per cell: 4 at batch 1; at batch 8, 8 in one `generate` call, or ``requests`` through vLLM, whose
+    scheduler admits a waiting request as soon as a running one finishes (more requests than slots: with few, the last
+    requests decode nearly alone, and the steps hold fewer rows, the more so when speculation ends some early)."""
+    return 4 if batch == 1 else (requests if vllm else 8)
 
 
 def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
@@ -306,6 +346,8 @@ def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
     flags = (" --vllm" if vllm else "") + (f" --draft {draft}" if draft else "")
     flags += " --verify-every" if body.get("verify_every") else ""
     flags += f" --batches {','.join(map(str, body['batches']))}" if body.get("batches") else ""
+    flags += f" --requests {body['requests']}" if body.get("requests") not in (None, REQUESTS) else ""
+    flags += f" --lookups {','.join(map(str, body['lookups'][1:]))}" if tuple(body["lookups"]) != LOOKUPS else ""
     flags += f" --rounds {body['rounds']}" if body.get("rounds", 1) > 1 else ""
     flags += f" --machine {body['results']}" if body.get("results", MACHINE) != MACHINE else ""
     if vllm and not draft:
@@ -319,9 +361,9 @@ def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
         f"per prompt (EOS not stopping them); each cell in a fresh process, the median of {body['rounds']} "
         "interleaved round(s)." + (f" Code: {body['code']}; ended {body['ended']}." if "code" in body else ""),
         "",
-        "| workload | batch | k | output tok/s | x k=0 | tokens per decode step | drafts kept | decode steps' share "
-        "of the time | x k=0 if its decode steps cost k=0's | tokens equal to k=0 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | batch | k | output tok/s | x k=0 | tokens per decode step | rows per decode step | drafts kept "
+        "| decode steps' share of the time | x k=0 if its decode steps cost k=0's | tokens equal to k=0 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for workload in ("copy", "chat"):
         for batch in batches:
@@ -332,22 +374,24 @@ def render(body: dict[str, Any], batches: tuple[int, ...]) -> str:
                 kept = f"{100 * cell['kept']:.0f} %" if vllm and lookup else "-"
                 share = f"{100 * cell['decode_share']:.0f} %" if "decode_share" in cell else "-"
                 free = f"{free_verification(base, cell):.2f}x" if lookup and "decode_share" in base else "-"
+                rows = f"{cell['rows_per_step']:.2f}" if "rows_per_step" in cell else "-"
                 lines.append(
                     f"| {workload} | {batch} | {lookup} | {cell['tok_s']:.1f} | {cell['tok_s'] / base['tok_s']:.2f}x "
-                    f"| {cell['tokens_per_step']:.2f} | {kept} | {share} | {free} | {same} |"
+                    f"| {cell['tokens_per_step']:.2f} | {rows} | {kept} | {share} | {free} | {same} |"
                 )
     lines += ["", FREE_NOTE]
     return "\n".join(lines) + "\n"
 
 
 FREE_NOTE = (
-    "Decode steps' share of the time: of the wall time of a cell's calls, the steps that only decode (no prompt "
-    "tokens), each with the work between it and the next step. x k=0 if its decode steps cost k=0's: the speedup "
-    "the cell's tokens per decode step would give if each of its decode steps (a verification call, the drafting) "
-    "cost what a plain decode step of k=0 costs, the rest of the time (the steps that prefill) as at k=0: 1 / (1 - p + "
-    "p x s0 / s), p and s0 the k=0 cell's share and tokens per decode step, s this cell's. It bounds what speculation "
-    "at this cell's tokens per step can give; the measured x k=0 falls short of it by what the verification calls' "
-    "extra columns and the drafting cost."
+    "Rows per decode step: the sequences a step that only decodes advanced, on average (the tokens per step are "
+    "theirs together). Decode steps' share of the time: of the wall time of a cell's calls, the steps that only "
+    "decode (no prompt tokens), each with the work between it and the next step. x k=0 if its decode steps cost "
+    "k=0's: the speedup the cell's tokens per decode step would give if each of its decode steps (a verification "
+    "call, the drafting) cost what a plain decode step of k=0 costs, the rest of the time (the steps that prefill) "
+    "as at k=0: 1 / (1 - p + p x s0 / s), p and s0 the k=0 cell's share and tokens per decode step, s this cell's. "
+    "It bounds what speculation at this cell's tokens per step can give; the measured x k=0 falls short of it by "
+    "what the verification calls' extra columns and the drafting cost."
 )
 
 
