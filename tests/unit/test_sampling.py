@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from optimum.neuron.errors import InputError
+from optimum.neuron.kernels import library
 from optimum.neuron.models.layers.sampling import _NEG, sample_tokens
 from optimum.neuron.runtime.sampling import (
     NO_TOP_K,
@@ -17,6 +18,7 @@ from optimum.neuron.runtime.sampling import (
     sample_on_host,
     sampling_tensors,
 )
+from optimum.neuron.runtime.speculation import accept
 
 # Vocabulary of 5 where token 3 has p=0.5, token 0 p=0.3, token 4 p=0.2 (tokens 1 and 2 p=0).
 PROBS = torch.tensor([0.3, 0.0, 0.0, 0.5, 0.2])
@@ -206,3 +208,18 @@ def test_host_sampling_seeded_and_greedy() -> None:
     assert draw() == draw()
     greedy = sample_on_host(logits, [None, SequenceSampler(SamplingParams(seed=1))], 32)
     assert torch.equal(greedy, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_greedy_acceptance_picks_what_the_host_sampler_picks_row_by_row(kernel: bool) -> None:
+    if kernel:
+        library.load()
+    logits = torch.randn(7, 300, generator=torch.Generator().manual_seed(0))
+    logits[2, [5, 17, 40]] = logits[2].max() + 1.0  # a tie: the smallest id wins
+    sampler = SequenceSampler(SamplingParams())
+    by_row = [int(sample_on_host(row[None], [sampler], 8, kernel)[0]) for row in logits]
+    assert by_row[2] == 5
+    kept = accept(logits, by_row[:6], sampler, 8, kernel)  # every draft what the model picks: all kept, one more
+    assert [a.token for a in kept] == by_row
+    wrong = [*by_row[:3], by_row[3] + 1, *by_row[4:6]]
+    assert [a.token for a in accept(logits, wrong, sampler, 8, kernel)] == by_row[:4]
