@@ -1,7 +1,7 @@
 // The instruction set every kernel of the toolkit's CPU library runs (every source of kernels/library.py): the
 // best path this CPU has, lowered by OPTIMUM_NEURON_PACKED_ISA (avx2, portable: for comparison and tests). Read once
-// per process, shared by every kernel. Beside it, the one schedule choice that depends on the CPU's vendor rather than
-// its instructions (`stream_once_pays`).
+// per process, shared by every kernel. Beside it, the CPU's vendor, on which two schedule choices depend rather than on
+// its instructions (`amd_cpu`).
 #pragma once
 
 #include <cstdlib>
@@ -26,6 +26,17 @@ inline Isa isa() {
   return found;
 }
 
+// Whether this CPU is AMD's: the schedule choices that depend on the vendor (`stream_once_pays`, panel_tiles.h
+// `block_k`) were measured on AMD Zen 4 / Zen 5 and Intel Xeon VMs, and went different ways.
+inline bool amd_cpu() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool amd = __builtin_cpu_is("amd") != 0;
+  return amd;
+#else
+  return false;
+#endif
+}
+
 // Whether this CPU reads a decode step's weights faster as one contiguous stream per thread, prefetched
 // non-temporally (panel_tiles.h `streams_once`), than as groups of panels prefetched into L1. Measured both ways, the
 // layouts' sums being the same: on the 2-core AMD Zen 5 VM the stream took 0.90-0.91x the time of the groups
@@ -38,11 +49,7 @@ inline bool stream_once_pays() {
   static const bool pays = [] {
     const char* asked = std::getenv("OPTIMUM_NEURON_STREAM_ONCE");
     if (asked != nullptr && (std::strcmp(asked, "0") == 0 || std::strcmp(asked, "1") == 0)) return asked[0] == '1';
-#if defined(__x86_64__) || defined(_M_X64)
-    return __builtin_cpu_is("amd") != 0;
-#else
-    return false;
-#endif
+    return amd_cpu();
   }();
   return pays;
 }

@@ -24,11 +24,11 @@
 // then times the scale into the output, no multiply per weight. Either way a row's result depends on that row only,
 // and the AVX2 and AVX-512 paths are bitwise equal.
 //
-// Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block
-// that sizes them: `group_rows`; on AMD CPUs, one panel per group for fp32 with a single row block, a decode step,
-// whose threads then each read one contiguous stream, prefetched non-temporally: `streams_once`; packed_linear_cat:
-// the groups of every weight of the call, in one parallel region);
-// each thread walks K in blocks (`block_k`: 64 steps for up to 2 row blocks, 576 from 3 on) and, within a block,
+// Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block that
+// sizes them: `group_rows`; on AMD CPUs, one panel per group for fp32 with a single row block, a decode step, whose
+// threads then each read one contiguous stream, prefetched non-temporally: `streams_once`; packed_linear_cat: the
+// groups of every weight of the call, in one parallel region); each thread walks K in blocks (`block_k`: 64 steps for
+// up to 2 row blocks, 576 from 3 on; on Intel with AVX-512, 32 at 2-4 row blocks and 64 at 5-6) and, within a block,
 // every row block (up to 8 rows on AVX-512, 6 on AVX2: `max_rows`, split as `row_blocks` says) over the group
 // (`panel_group`), so the panel's block stays in the caches while every row uses it, and the memory stream of the
 // weights never pauses for a second row block. The row blocks prefetch the panels ahead (once per cache line of each
@@ -124,7 +124,7 @@ at::Tensor gemm(const at::Tensor& x, const std::vector<Part>& parts, int64_t gro
     const std::vector<Group> groups = groups_of(parts, per_tile);
     at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
       const int64_t ld = per_tile * kPanel;
-      std::vector<float> partial(K > block_k<W>(blocks) ? M * ld : 0);
+      std::vector<float> partial(K > block_k<W>(blocks, true) ? M * ld : 0);
       for (int64_t g = begin; g < end; ++g)
         panel_group<W>(products[groups[g].part], blocks, groups[g].first, groups[g].count, partial.data(), ld);
     });

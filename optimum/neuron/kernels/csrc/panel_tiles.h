@@ -25,6 +25,7 @@ namespace {
 constexpr int64_t kPanel = 16;     // output columns per panel (two 8-float vectors)
 constexpr int64_t kBlockK = 64;    // K steps per block (`block_k`: a few row blocks)
 constexpr int64_t kDeepBlockK = 576;  // K steps per block of a product with many row blocks (`block_k`)
+constexpr int64_t kShortBlockK = 32;  // K steps per block of streamed fp32 weights at 2-4 row blocks, Intel (`block_k`)
 constexpr int64_t kMaxRows = 8;    // rows per tile, at most (`max_rows`)
 constexpr int64_t kMaxPanels = 4;  // panels per tile
 constexpr int64_t kLine = 64;      // bytes per cache line (one prefetch)
@@ -639,16 +640,25 @@ inline int64_t prefetch_ahead(const Product& p, int64_t count, int64_t k0, int64
   return last ? count * p.ldw - k0 * row_bytes<W>() : block * row_bytes<W>();
 }
 
-// K steps per block of a product with these row blocks. Up to 2 row blocks (a decode step, a short chunk), blocks
-// of kBlockK: the weights' stream is what the product waits on, and a short block keeps the panels just read in L1
-// for the second row block and the prefetch one block ahead. From 3 row blocks on (a prefill chunk), blocks of
-// kDeepBlockK: the product is bound by its multiply-adds, and every K block costs each tile a load and a store of its
-// partial sums; SmolLM2's 210 fp32 products of a 256-row chunk (weights streamed, 2 threads, in one process) took
-// 0.90-0.95x the time of blocks of 64, 24 to 1,024 rows 0.86-0.96x, while 8 and 16 rows took 1.02-1.08x. int4 keeps
-// kBlockK: its sums run per scale group inside a K block, so its block is part of its arithmetic. fp32 and int8
-// results do not depend on the blocking (the partial sums are stored and reloaded exactly).
+// K steps per block of a product with these row blocks, its panels streamed from memory (``streamed``: prefetched, a
+// linear layer's weights) or not (the chunk attention's operands, in the caches). Up to 2 row blocks (a decode step, a
+// short chunk), blocks of kBlockK: the weights' stream is what the product waits on, and a short block keeps the panels
+// just read in L1 for the second row block and the prefetch one block ahead. From 3 row blocks on (a prefill chunk),
+// blocks of kDeepBlockK: the product is bound by its multiply-adds, and every K block costs each tile a load and a
+// store of its partial sums; SmolLM2's 210 fp32 products of a 256-row chunk (weights streamed, 2 threads, in one
+// process, AMD Zen) took 0.90-0.95x the time of blocks of 64, 24 to 1,024 rows 0.86-0.96x, while 8 and 16 rows took
+// 1.02-1.08x. int4 keeps kBlockK: its sums run per scale group inside a K block, so its block is part of its
+// arithmetic. On Intel CPUs with AVX-512, streamed fp32 weights at 2 to 6 row blocks (9 to 48 rows: a verification
+// call's columns) take shorter blocks: measured on the Xeon VM (family 6 model 207; SmolLM2's 30 layers of products,
+// weights streamed, 2 threads, the blockings alternating in one process), against blocks of 64, blocks of 32 took 12-16
+// rows 0.92-0.94x, 20-32 rows 0.92-0.98x (and 0.81-0.89x the time of kDeepBlockK there), but 36 rows 1.05x; at 5 row
+// blocks (33-40 rows) 64 took 0.95-0.97x kDeepBlockK's time, at 6 (41-48) the same, from 7 on (52-256 rows) kDeepBlockK
+// 0.89-0.99x 64's. fp32 and int8 results do not depend on the blocking (the partial sums are stored and reloaded
+// exactly).
 template <Kind W>
-inline int64_t block_k(const RowBlocks& blocks) {
+inline int64_t block_k(const RowBlocks& blocks, bool streamed) {
+  if (W == Kind::kF32 && streamed && isa() == Isa::kAvx512 && !amd_cpu() && blocks.count >= 2 && blocks.count <= 6)
+    return blocks.count <= 4 ? kShortBlockK : kBlockK;
   return W != Kind::kI4 && blocks.count >= 3 ? kDeepBlockK : kBlockK;
 }
 
@@ -672,7 +682,7 @@ inline FetchShare fetch_share(int64_t blk, int64_t count) {
 template <Kind W>
 inline void panel_group(const Product& p, const RowBlocks& blocks, int64_t first, int64_t count, float* partial,
                         int64_t ld) {
-  const int64_t col = first * kPanel, block = block_k<W>(blocks);
+  const int64_t col = first * kPanel, block = block_k<W>(blocks, p.prefetch);
   const bool once = streams_once<W>(blocks);
   for (int64_t k0 = 0; k0 < p.K; k0 += block) {
     const int64_t steps = std::min(block, p.K - k0);
