@@ -281,8 +281,10 @@ def main() -> None:
         batches = tuple(int(b) for b in args.batches.split(","))
     if args.lookups:
         lookups = tuple(sorted({0, *(int(k) for k in args.lookups.split(","))}))
-    if not 0 < args.requests <= most_requests():
-        parser.error(f"--requests takes 1 to {most_requests()} (one prompt per passage and chat topic)")
+    try:
+        prompts("copy", args.requests)  # the one rule on how many prompts a cell can have
+    except ValueError as err:
+        parser.error(f"--requests: {err} (one prompt per passage and chat topic)")
     model_dir = convert_smollm2(default_smollm2_dir("fp32"), dtype="fp32")
     artifacts = {batch: str(export_for(model_dir, batch)) for batch in batches}
     draft = str(draft_for(model_dir, args.draft)) if args.draft else None
