@@ -1,12 +1,14 @@
 """`vllm serve` on 127.0.0.1 for one artifact, the one launcher of the benchmark and the tests: started in
 its own process group on a free port (unless one is given), awaited until healthy, then stopped
 (SIGTERM to the group, SIGKILL to whatever is left) so nothing outlives it. What a graceful stop left
-running is recorded, for the tests that check a clean shutdown."""
+running is recorded, with where each such process was waiting (its Python stacks), for the tests that check a clean
+shutdown."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +40,8 @@ class ServerProcess:
     left_behind: list[str] = field(default_factory=list)
     """The processes still running after the graceful stop (then killed), each as ``pid name (status, parent
     ppid)``; filled when `serving` exits."""
+    stacks: str = ""
+    """The Python stacks of those processes just before they were killed (`_stacks`); empty when none was left."""
     returncode: int | None = None
     """The exit status of `vllm serve`; filled when `serving` exits (0 after a graceful stop)."""
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
@@ -107,10 +111,39 @@ def _describe(process: psutil.Process) -> str:
         return f"{process.pid} (ended while described)"
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> list[str]:
+STACK_DUMP_S = 30.0
+"""How long `_stacks` waits for one process's stacks."""
+
+
+def _py_spy() -> str | None:
+    """The ``py-spy`` beside this interpreter (the dev extra installs it in .venv), else on PATH, else None."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+def _stacks(pids: list[int]) -> str:
+    """The Python stacks of ``pids`` (``py-spy dump``, every thread): where each process that outlived the graceful
+    stop was waiting. A process whose stacks could not be read says why instead."""
+    tool = _py_spy()
+    if tool is None:
+        return "(no stacks: py-spy is not installed; `make install` installs it with the dev extra)"
+    dumps = []
+    for pid in pids:
+        try:
+            done = subprocess.run(
+                [tool, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=STACK_DUMP_S
+            )
+            dumps.append(done.stdout.strip() or f"{pid}: py-spy exit {done.returncode}: {done.stderr.strip()}")
+        except subprocess.TimeoutExpired:
+            dumps.append(f"{pid}: py-spy dump took more than {STACK_DUMP_S:.0f} s")
+    return "\n\n".join(dumps)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> tuple[list[str], str]:
     """SIGTERM the process group, wait up to `GRACE_S` for every process of the tree to end, SIGKILL what is left;
-    the processes that outlived the SIGTERM, described. `proc` itself is waited for by ``Popen`` (its ``returncode``
-    is the real exit status: psutil must not collect it first), its descendants by psutil."""
+    the processes that outlived the SIGTERM, described, and their stacks (`_stacks`: taken before the SIGKILL).
+    `proc` itself is waited for by ``Popen`` (its ``returncode`` is the real exit status: psutil must not collect it
+    first), its descendants by psutil."""
     try:
         descendants = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -124,16 +157,16 @@ def _stop(proc: subprocess.Popen[bytes]) -> list[str]:
     while alive and time.monotonic() < deadline:
         psutil.wait_procs(alive, timeout=0.5)
         alive = [p for p in alive if not _exited(p)]
-    left = ([] if proc.returncode is not None else [_describe(psutil.Process(proc.pid))]) + [
-        _describe(p) for p in alive
-    ]
+    outlived = ([] if proc.returncode is not None else [psutil.Process(proc.pid)]) + alive
+    left = [_describe(p) for p in outlived]
+    stacks = _stacks([p.pid for p in outlived]) if outlived else ""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left (the engine core)
     for stray in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             stray.kill()
     proc.wait()
-    return left
+    return left, stacks
 
 
 @contextlib.contextmanager
@@ -149,5 +182,5 @@ def serving(artifact: Path, log: Path, *flags: str, port: int = 0, timeout_s: fl
         _wait_healthy(proc, server, timeout_s)
         yield server
     finally:
-        server.left_behind = _stop(proc)
+        server.left_behind, server.stacks = _stop(proc)
         server.returncode = proc.returncode

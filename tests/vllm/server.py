@@ -107,7 +107,8 @@ def vllm_serve(artifact: Path, log: Path, *flags: str, exit_status: int = 0) -> 
     with serving(artifact, log, *flags, timeout_s=STARTUP_SECONDS) as process:
         yield Server(process)
     assert not process.left_behind, (
-        f"vllm serve left processes behind: {process.left_behind}; its shutdown log:\n{_shutdown_lines(log)}"
+        f"vllm serve left processes behind: {process.left_behind}; its shutdown log:\n{_shutdown_lines(log)}\n"
+        f"their Python stacks before the kill:\n{process.stacks}"
     )
     assert process.returncode == exit_status, f"vllm serve exited with {process.returncode}, not {exit_status}"
 
