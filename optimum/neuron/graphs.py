@@ -109,6 +109,13 @@ class GraphSpec:
         return name
 
     @property
+    def takes_logits_flag(self) -> bool:
+        """True for a chunked-prefill graph returning the last real token's logits: it also takes ``wants_logits
+        [1]`` (bool, its last input), False for a chunk before its prompt's last, whose logits the runtime drops;
+        there the LM head is skipped and the graph returns zeros (`StaticDecoder._logits_when`)."""
+        return self.kind is GraphKind.CHUNKED_PREFILL and not self.all_rows
+
+    @property
     def symbolic_window(self) -> bool:
         """True when one compiled graph serves several windows (the window is a symbolic dimension)."""
         return len(self.windows) > 1
@@ -338,6 +345,8 @@ def example_inputs(spec: GraphSpec) -> dict[str, torch.Tensor]:
         inputs.update(sampling_inputs(spec.batch))
     if spec.adapters:
         inputs["adapter_ids"] = torch.zeros(spec.batch, dtype=torch.long)
+    if spec.takes_logits_flag:
+        inputs["wants_logits"] = torch.ones(1, dtype=torch.bool)
     return inputs
 
 
@@ -400,20 +409,30 @@ def sampling_inputs(batch: int) -> dict[str, torch.Tensor]:
 def graph_args(kind: GraphKind, inputs: dict[str, torch.Tensor], kv_cache: list[torch.Tensor]) -> tuple:
     """The positional arguments of graph ``kind``, in the order its module's forward takes them: the tokens, their
     positions and cache slots, (image rows), the KV cache, the block table of a graph reading the cache (its window),
-    (sampling inputs), (each row's adapter slot: last, the optional arguments before it given as None)."""
+    (sampling inputs), (each row's adapter slot), (a chunked-prefill graph's ``wants_logits``: last); an optional
+    argument left out before one given is passed as None."""
     if kind is GraphKind.VISION_ENCODER:
         return (inputs["pixel_values"],)
     if kind is GraphKind.MIXED:  # the decode rows' inputs, the chunk's, the cache, then the two block tables
         rows, chunk = (inputs[k] for k in MIXED_DECODE_INPUTS[:3]), (inputs[k] for k in MIXED_CHUNK_INPUTS[:3])
         return (*rows, *chunk, kv_cache, inputs["block_table"], inputs["chunk_table"])
-    adapters = (inputs["adapter_ids"],) if "adapter_ids" in inputs else ()
-    window = (inputs["block_table"],) if "block_table" in inputs else ((None,) if adapters else ())
     tokens = (inputs["input_ids"], inputs["position_ids"], inputs["slot_mapping"])
     if kind.is_prefill:  # an image-text prefill graph takes its image rows before the cache (`ImagePrefillGraph`)
         images = tuple(inputs[k] for k in ("image_embeds", "image_mask") if k in inputs)
-        return (*tokens, *images, kv_cache, *window, *adapters)
+        return (*tokens, *images, kv_cache, *_given(inputs, ("block_table", "adapter_ids", "wants_logits")))
+    adapters = (inputs["adapter_ids"],) if "adapter_ids" in inputs else ()
+    window = (inputs["block_table"],) if "block_table" in inputs else ((None,) if adapters else ())
     if kind is GraphKind.VERIFICATION:
         return (*tokens, kv_cache, *window, *adapters)
     names = ("temperature", "top_k", "top_p", "uniforms")
     sampling = tuple(inputs[k] for k in names if k in inputs) or ((None,) * len(names) if adapters else ())
     return (*tokens, kv_cache, *window, *sampling, *adapters)
+
+
+def _given(inputs: dict[str, torch.Tensor], names: tuple[str, ...]) -> tuple[torch.Tensor | None, ...]:
+    """The optional arguments ``names`` in order, up to the last one ``inputs`` gives; those left out before it as
+    None."""
+    given = [inputs.get(name) for name in names]
+    while given and given[-1] is None:
+        given.pop()
+    return tuple(given)

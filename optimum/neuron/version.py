@@ -1,3 +1,3 @@
 """Package version."""
 
-__version__ = "0.3.0"
+__version__ = "0.3.1"

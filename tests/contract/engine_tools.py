@@ -59,10 +59,11 @@ def prompt(length: int, seed: int) -> list[int]:
 
 
 def flat_tensors(args: tuple) -> list[torch.Tensor]:
-    """The tensors of a graph call, the KV cache list flattened in place."""
+    """The tensors of a graph call, the KV cache list flattened in place, the None of an optional argument left out
+    dropped (as the compiled graphs drop it)."""
     out: list[torch.Tensor] = []
     for arg in args:
-        out.extend(arg if isinstance(arg, list) else [arg])
+        out.extend(arg if isinstance(arg, list) else [] if arg is None else [arg])
     return out
 
 
@@ -70,7 +71,8 @@ def call_window(args: tuple, block_size: int) -> int:
     """The KV window of a graph call: the columns of its ``block_table``, the argument after the KV cache list
     (`graphs.graph_args`), times the block size; 0 when the graph takes none."""
     index = next(i for i, arg in enumerate(args) if isinstance(arg, list))
-    return int(args[index + 1].shape[1]) * block_size if index + 1 < len(args) else 0
+    table = args[index + 1] if index + 1 < len(args) else None
+    return 0 if table is None else int(table.shape[1]) * block_size
 
 
 class Recorder:

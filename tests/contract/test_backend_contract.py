@@ -260,6 +260,38 @@ def test_one_weight_set_bound_to_every_graph(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_chunk_before_its_prompts_last_skips_its_logits(backend: str) -> None:
+    """Every chunked-prefill call says whether its logits are wanted (`GraphSpec.takes_logits_flag`): only the
+    prompt's last chunk's are. A chunk before it returns zeros on the backends whose graphs branch (eager, inductor;
+    xla computes the logits all the same), and writes the same KV rows as when its logits are wanted: called again
+    with the flag set, it leaves the cache bitwise as it was and returns the logits the skipped call did not."""
+    engine = engine_for(backend)
+    calls: list[tuple[str, tuple, torch.Tensor]] = []
+    for name, graph in list(engine.graphs.items()):
+
+        def recorded(*args: object, name: str = name, graph: object = graph) -> torch.Tensor:
+            out = graph(*args)  # type: ignore[operator]
+            calls.append((name, args, out.cpu()))
+            return out
+
+        engine.graphs[name] = recorded
+    engine.admit("a", prompt(2 * CHUNK + 1, 4), GREEDY, reuse=False)
+    engine.step({"a": 2 * CHUNK + 1})
+    assert [engine.specs[name].takes_logits_flag for name, _, _ in calls] == [True] * 3, "three chunk calls"
+    assert [bool(args[-1].item()) for _, args, _ in calls] == [False, False, True], "only the last chunk's wanted"
+    skips = engine.config.backend in ("eager", "inductor")
+    for _, _, out in calls[:2]:
+        assert (torch.count_nonzero(out) == 0) == skips, "skipped logits are zeros, computed ones are not"
+    name, args, skipped = calls[0]
+    before = [t.clone() for t in engine.kv_cache]
+    wanted = engine.graphs[name](*args[:-1], torch.ones_like(args[-1])).cpu()
+    assert same(list(engine.kv_cache), before), "the chunk wrote other rows when its logits were wanted"
+    assert torch.count_nonzero(wanted) > 0 and torch.isfinite(wanted).all()
+    if not skips:
+        assert torch.equal(wanted, skipped)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_while_another_slot_is_half_prefilled(backend: str) -> None:
     engine = engine_for(backend)
     short, long = prompt(5, 1), prompt(2 * CHUNK + 5, 2)

@@ -118,6 +118,7 @@ class StaticDecoder(nn.Module):
         `artifact.graph_decoder`)."""
         self.adapter_rows: AdapterRows | None = None
         """Multi-LoRA: the rows' adapter slots its LoRA projections read (`layers.lora.add_lora`); None without."""
+        self.vocab_size = int(hf_config.vocab_size)
         self.lm_head: nn.Linear | None = None
         if not self.tied:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
@@ -161,6 +162,7 @@ class StaticDecoder(nn.Module):
         block_table: torch.Tensor | None,
         image_rows: ImageRows | None = None,
         adapter_ids: torch.Tensor | None = None,
+        wants_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run graph ``spec.kind`` (with multi-LoRA, each row on its adapter slot ``adapter_ids [rows]``): each token
         writes its K/V at cache row ``slot_mapping`` and reads its sequence's earlier positions through ``block_table``
@@ -169,7 +171,8 @@ class StaticDecoder(nn.Module):
         in when given; token generation returns logits ``[B, V]`` (sampling is applied by `TokenGenerationGraph`);
         verification, each row's tokens attending like a chunk of its own sequence, returns every column's logits ``[B,
         K + 1, V]`` (packed, `GraphSpec.packed`: ``[1, N, V]``, each column reading the blocks of its own row of
-        ``block_table [N, W / block_size]``)."""
+        ``block_table [N, W / block_size]``). A chunked-prefill graph given ``wants_logits [1]`` False returns zeros
+        in place of the logits, without computing them (`_logits_when`; on XLA it computes them)."""
         block = spec.block_size
         if spec.kind is GraphKind.TOKEN_GENERATION:
             assert block_table is not None, "token generation reads the cache"
@@ -190,7 +193,26 @@ class StaticDecoder(nn.Module):
         last = None if every else torch.argmax(position_ids[0]).reshape(1)
         with selected_adapters(self.adapter_rows, adapter_ids):
             h = self._hidden(input_ids, position_ids, kv_cache, ctx, image_rows, rows=last)
+        if wants_logits is not None:
+            return self._logits_when(wants_logits, h[0])
         return self._logits(h if spec.kind is GraphKind.VERIFICATION else h[0])
+
+    def _logits_when(self, wanted: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """`_logits` of ``h [rows, hidden]`` when ``wanted [1]`` (bool) is True, else float32 zeros of their shape,
+        without the LM head: a prefill chunk before its prompt's last, whose logits the runtime drops. The head reads
+        every weight of the vocabulary's rows (SmolLM2's tied embedding: 113 MB fp32, ~3-5 ms of a 256-token chunk on
+        2 cores). An exported graph branches with `torch.cond` (both branches compiled, one run per call); an eager
+        call reads the flag; a graph traced on an XLA device computes the logits whatever the flag (the trace must not
+        read an input's value: that would run on the host and compile a graph of its own)."""
+
+        def skipped(x: torch.Tensor) -> torch.Tensor:
+            return x.new_zeros(x.shape[0], self.vocab_size, dtype=torch.float32)
+
+        if h.device.type == "xla":
+            return self._logits(h)
+        if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+            return torch.cond(wanted[0], self._logits, skipped, (h,))
+        return self._logits(h) if bool(wanted[0]) else skipped(h)
 
     def mixed(
         self,
@@ -248,8 +270,11 @@ class PrefillGraph(_Graph):
         kv_cache: list[torch.Tensor],
         block_table: torch.Tensor | None = None,
         adapter_ids: torch.Tensor | None = None,
+        wants_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.decoder(self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table, None, adapter_ids)
+        return self.decoder(
+            self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table, None, adapter_ids, wants_logits
+        )
 
 
 class ImagePrefillGraph(_Graph):
@@ -266,10 +291,11 @@ class ImagePrefillGraph(_Graph):
         kv_cache: list[torch.Tensor],
         block_table: torch.Tensor | None = None,
         adapter_ids: torch.Tensor | None = None,
+        wants_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
         images = (image_embeds, image_mask)
         return self.decoder(
-            self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table, images, adapter_ids
+            self.spec, input_ids, position_ids, slot_mapping, kv_cache, block_table, images, adapter_ids, wants_logits
         )
 
 

@@ -515,7 +515,8 @@ class Engine:
             if decodes:
                 rows, decodes = self._run_mixed(decodes, chunk, chunk_start, sequence, result, host), None
             else:
-                rows = self._run_prefill(chunk, chunk_start, sequence, result, all_rows=scoring)
+                last = chunk_start + len(chunk) == len(sequence.tokens)  # the chunk whose logits are sampled
+                rows = self._run_prefill(chunk, chunk_start, sequence, result, all_rows=scoring, wanted=last)
             if scorer is not None and scoring:
                 scorer.add(chunk_start, rows)
             logits = rows[-1]  # the last real token's (invariant 5)
@@ -533,11 +534,13 @@ class Engine:
         result.append(sequence, int(token), logits)
 
     def _run_prefill(
-        self, token_ids: list[int], start: int, sequence: Sequence, result: StepResult, all_rows: bool
+        self, token_ids: list[int], start: int, sequence: Sequence, result: StepResult, all_rows: bool, wanted: bool
     ) -> torch.Tensor:
         """One prefill-graph call on up to one chunk of real tokens of ``sequence``: the last real token's logits
         ``[1, V]``, or with ``all_rows`` those of every real row ``[n, V]`` (the actual-tokens mask drops the padded
-        ones). An image-text artifact's call also takes the chunk's image rows."""
+        ones). Unless ``wanted``, its caller drops the last token's logits, and a chunked-prefill graph may return
+        zeros instead (`GraphSpec.takes_logits_flag`). An image-text artifact's call also takes the chunk's image
+        rows."""
         count = len(token_ids)  # the call reads positions [0, start), its own K/V come from the chunk
         spec, window, size = self._graph(self.prefill_kind, start, all_rows=all_rows, tokens=count)
         inputs = self._chunk_inputs(token_ids, start, size, window, sequence)
@@ -545,6 +548,8 @@ class Engine:
             inputs.update(self._image_rows(sequence, start, count, size, result))
         if spec.adapters:
             inputs["adapter_ids"] = torch.tensor([sequence.adapter], dtype=torch.long)
+        if spec.takes_logits_flag:
+            inputs["wants_logits"] = torch.tensor([wanted])
         out = self._call(spec, inputs).float().cpu()
         return out[actual_tokens_mask(inputs["position_ids"])[0]] if all_rows else out
 
