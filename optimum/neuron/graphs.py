@@ -420,13 +420,10 @@ def graph_args(kind: GraphKind, inputs: dict[str, torch.Tensor], kv_cache: list[
     if kind.is_prefill:  # an image-text prefill graph takes its image rows before the cache (`ImagePrefillGraph`)
         images = tuple(inputs[k] for k in ("image_embeds", "image_mask") if k in inputs)
         return (*tokens, *images, kv_cache, *_given(inputs, ("block_table", "adapter_ids", "wants_logits")))
-    adapters = (inputs["adapter_ids"],) if "adapter_ids" in inputs else ()
-    window = (inputs["block_table"],) if "block_table" in inputs else ((None,) if adapters else ())
     if kind is GraphKind.VERIFICATION:
-        return (*tokens, kv_cache, *window, *adapters)
-    names = ("temperature", "top_k", "top_p", "uniforms")
-    sampling = tuple(inputs[k] for k in names if k in inputs) or ((None,) * len(names) if adapters else ())
-    return (*tokens, kv_cache, *window, *sampling, *adapters)
+        return (*tokens, kv_cache, *_given(inputs, ("block_table", "adapter_ids")))
+    sampling = ("temperature", "top_k", "top_p", "uniforms")
+    return (*tokens, kv_cache, *_given(inputs, ("block_table", *sampling, "adapter_ids")))
 
 
 def _given(inputs: dict[str, torch.Tensor], names: tuple[str, ...]) -> tuple[torch.Tensor | None, ...]:

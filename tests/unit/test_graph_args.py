@@ -32,3 +32,17 @@ def test_graphs_returning_every_row_or_no_chunk_take_no_flag() -> None:
         inputs = example_inputs(spec)
         assert not spec.takes_logits_flag and "wants_logits" not in inputs, spec.name
         assert graph_args(spec.kind, inputs, [torch.zeros(1)])[-1] is not None, spec.name
+
+
+def test_verification_and_token_generation_keep_their_order() -> None:
+    cache, slots = [torch.zeros(1)], torch.zeros(2, dtype=torch.int32)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    tokens = {"input_ids": slots, "position_ids": slots, "slot_mapping": slots}
+    sampling = {k: torch.ones(2) for k in ("temperature", "top_k", "top_p", "uniforms")}
+    verify = graph_args(GraphKind.VERIFICATION, {**tokens, "adapter_ids": slots}, cache)
+    assert verify[3] is cache and verify[4:] == (None, slots)  # no window: the block table's place holds None
+    assert graph_args(GraphKind.VERIFICATION, tokens, cache)[3:] == (cache,)
+    step = graph_args(GraphKind.TOKEN_GENERATION, {**tokens, "block_table": table, **sampling}, cache)
+    assert step[4] is table and step[5:] == tuple(sampling.values())
+    logits_only = graph_args(GraphKind.TOKEN_GENERATION, {**tokens, "block_table": table, "adapter_ids": slots}, cache)
+    assert logits_only[4] is table and logits_only[5:] == (None, None, None, None, slots)
