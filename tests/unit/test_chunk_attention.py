@@ -27,6 +27,7 @@ CASES = [  # (rows, query heads, KV heads, head size, block size, window blocks,
     (1, 6, 2, 20, 8, 3, 70, 0, 0, None),  # a first chunk: the window's blocks all masked
     (1, 4, 4, 32, 4, 5, 9, 20, 2, 6),  # no grouping, a sliding window shorter than the chunk
     (3, 4, 2, 16, 4, 3, 5, 9, 0, None),  # verification: three rows, each its own sequence
+    (1, 4, 2, 80, 8, 3, 40, 16, 3, None),  # a head size of 4 panels + 1: the values' product in two passes
 ]
 
 

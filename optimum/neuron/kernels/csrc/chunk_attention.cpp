@@ -10,9 +10,7 @@
 //
 // Per call. The mask is read once as bits: for each tile of 64 queries and each key, one 64-bit word whose bit c says
 // whether query c of the tile attends the key (`mask_bits`: each 64 x 64 square of the mask taken row by row as bits,
-// then transposed); from them, which window blocks each tile attends (`live_blocks`). V^T [B, Hk, D, L] is written
-// once per call, a unit of work per (row, KV head, window block or the chunk), from the first block a tile of the row
-// attends (`values_transposed`).
+// then transposed); from them, which window blocks each tile attends (`live_blocks`).
 //
 // Schedule. One task per (row, query head, tile of up to 64 query tokens), split over threads. A task
 //   1. packs its queries, times the scale, as 16-query panels [D, 16] (`panel_tiles.h`);
@@ -24,10 +22,15 @@
 //   3. takes each query's softmax over the keys it attends (two passes over S^T: the maximum, every column of a key at
 //      once, then exp(s - max) and the total; keys the mask leaves out weigh exactly 0; a key's mask bits are the
 //      lanes' mask), writing the weights as panels [keys, 16];
-//   4. computes O^T [D, queries] = V^T [D, keys] times the weights with the same GEMM (V^T: shared by the KV head's
-//      tasks), from the first attended block on, and divides by the totals.
-// Both products run at the panel GEMM's rate, where torch's CPU flash attention runs its blocks through a generic
-// sgemm and a float mask; the queries of a tile share every key and value they read.
+//   4. computes the output rows [queries, D] = the weights times the values, with the queries as rows and the values
+//      read in place, row by row, from the first attended block on (`values_product`), and divides by the totals.
+// The scores run at the panel GEMM's rate, where torch's CPU flash attention runs its blocks through a generic sgemm
+// and a float mask; the queries of a tile share every key and value they read. The values' product once ran on the
+// same GEMM over V^T [D, keys], transposed once per call: its tiles then streamed four panels of weights and six rows
+// of V^T at once. Reading the values in place, each key's row of D values serves a block of queries whose weights
+// lie in one cache line, and no transposition runs: SmolLM2's chunk attention of a 1,024-token prompt's four chunks
+// (9 / 3 heads, the two builds alternating in one process, bitwise equal; the Xeon VM) took 0.93x the time on two
+// threads and 0.94x on one with the transposition still done, before it was removed.
 //
 // Order of the sums. A query's scores, maximum, total and output sums each run over keys (or head dimensions) in one
 // fixed order, and keys past the tile's causal end or left out by the mask add exact zeros: a query's result depends
@@ -38,8 +41,9 @@
 //
 // Instruction sets: the panel GEMM's paths (AVX-512, AVX2 + FMA, portable); the softmax likewise (16 or 8 columns per
 // vector, the same values lane for lane; a key no column of the vector attends is skipped: exact zeros); the mask's
-// rows read as bits 32 bytes at a time (AVX2); the queries' packing and the output's transposition by 16-lane gathers
-// (AVX-512); portable C++ otherwise (`isa.h`).
+// rows read as bits 32 bytes at a time (AVX2); the queries' packing by 16-lane gathers (AVX-512); the values' product
+// in tiles of up to 6 rows x 4 panels (AVX-512) or 4 rows x 1 panel (AVX2), the columns past the last 16 by std::fma
+// (the same values on both); portable C++ otherwise (`isa.h`).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -68,7 +72,8 @@ struct Call {
   const uint64_t* bits;  // the mask by tile, [B, tiles, L]: bit c of bits[b, tile, j] = mask[b, 0, 64 tile + c, j]
   const uint8_t* live;  // [B, tiles, nb]: whether a query of the tile attends a key of window block i (`live_blocks`)
   const int64_t* first;  // [B, tiles]: the first window block a query of the tile attends (nb: none)
-  const float* vt;     // V^T [B, Hk, D, L]
+  const float* vc;     // v_cache [blocks, Hk, bs, D]
+  const float* v;      // [B, Hk, C, D]
   float* out;          // [B, Hq, C, D]
   int64_t Hq, Hk, C, D, nb, bs, L;
   float scale;
@@ -176,13 +181,21 @@ void softmax_tile(const float* s, const uint64_t* bits, int64_t keys, int64_t wi
   softmax_portable(s, bits, keys, width, w, total);
 }
 
+// A run of consecutive keys' values, read in place: rows [n, D] (`values_product`).
+struct Segment {
+  const float* v;
+  int64_t n;
+};
+
 // Scratch of one thread, sized for the call's largest tile.
 struct Scratch {
-  std::vector<float> q, s, w, o, partial;
+  std::vector<float> q, s, w, partial;
+  std::vector<Segment> segments;
   float total[kTile];
   explicit Scratch(const Call& c)
-      : q(c.D * kTile), s(c.L * kTile), w(c.L * kTile), o(c.D * kTile),
-        partial(std::max({c.bs, c.C, c.D}) * kTile) {}
+      : q(c.D * kTile), s(c.L * kTile), w(c.L * kTile), partial(std::max({c.bs, c.C, c.D}) * kTile) {
+    segments.reserve(c.nb + 1);
+  }
 };
 
 // A 64 x 64 bit matrix transposed in place: bit c of a[r] becomes bit r of a[c] (six rounds, each swapping the
@@ -268,36 +281,6 @@ std::vector<int64_t> first_blocks(const std::vector<uint8_t>& live, int64_t coun
   return first;
 }
 
-// rows [n, D] (row stride D) transposed into dst [D, n] (row stride L), 16 rows at a time.
-void transpose_rows(const float* rows, int64_t n, int64_t D, float* dst, int64_t L) {
-  for (int64_t r0 = 0; r0 < n; r0 += 16) {
-    const int64_t r1 = std::min(n, r0 + 16);
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t r = r0; r < r1; ++r) dst[d * L + r] = rows[r * D + d];
-  }
-}
-
-// V^T [B, Hk, D, L]: each row's window blocks from `from[b]` on (the blocks before it are never read: `run_task` reads
-// from a tile's first attended block) and the chunk's own values. One unit of work per (row, KV head, block or chunk).
-at::Tensor values_transposed(const float* vcache, const float* vchunk, const int64_t* table,
-                             const std::vector<int64_t>& from, int64_t B, int64_t Hk, int64_t C, int64_t D, int64_t nb,
-                             int64_t bs, int64_t L, const at::TensorOptions& options) {
-  at::Tensor vt = at::empty({B, Hk, D, L}, options);
-  float* vtp = vt.data_ptr<float>();
-  at::parallel_for(0, B * Hk * (nb + 1), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t bh = unit / (nb + 1), i = unit % (nb + 1), b = bh / Hk, head = bh % Hk;
-      float* dst = vtp + bh * D * L;
-      if (i == nb) {
-        transpose_rows(vchunk + bh * C * D, C, D, dst + nb * bs, L);
-      } else if (i >= from[b]) {
-        transpose_rows(vcache + ((table[b * nb + i] * Hk + head) * bs) * D, bs, D, dst + i * bs, L);
-      }
-    }
-  });
-  return vt;
-}
-
 // The tile's `cols` queries q [cols, D] (row stride D) times the scale as panels [D, 16] (zero past `cols`).
 void pack_queries_portable(const float* q, int64_t cols, int64_t panels, int64_t D, float scale, float* dst) {
   for (int64_t p = 0; p < panels; ++p)
@@ -308,18 +291,8 @@ void pack_queries_portable(const float* q, int64_t cols, int64_t panels, int64_t
       }
 }
 
-// out [cols, D] (row stride D) = O^T [D, cols] (row stride kTile) divided by each column's total (zeros where a query
-// attends no key).
-void write_output_portable(const float* o, const float* total, int64_t cols, int64_t D, float* out) {
-  for (int64_t col = 0; col < cols; ++col) {
-    const float t = total[col];
-    for (int64_t d = 0; d < D; ++d) out[col * D + d] = t > 0.0f ? o[d * kTile + col] / t : 0.0f;
-  }
-}
-
 #ifdef OPTIMUM_NEURON_X86
-// The same two with 16-lane gathers (the same products and quotients, so the same values); the output's for D a
-// multiple of 16.
+// The same with 16-lane gathers (the same products, so the same values).
 __attribute__((target("avx512f"))) void pack_queries_avx512(const float* q, int64_t cols, int64_t panels, int64_t D,
                                                             float scale, float* dst) {
   const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -335,23 +308,6 @@ __attribute__((target("avx512f"))) void pack_queries_avx512(const float* q, int6
   }
 }
 
-__attribute__((target("avx512f"))) void write_output_avx512(const float* o, const float* total, int64_t cols,
-                                                            int64_t D, float* out) {
-  const __m512i rows =
-      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kTile));
-  for (int64_t col = 0; col < cols; ++col) {
-    const float t = total[col];
-    if (!(t > 0.0f)) {
-      write_output_portable(o + col, total + col, 1, D, out + col * D);
-      continue;
-    }
-    const __m512 by = _mm512_set1_ps(t);
-    for (int64_t d = 0; d < D; d += kPanel) {
-      const __m512 x = _mm512_i32gather_ps(rows, o + d * kTile + col, 4);
-      _mm512_storeu_ps(out + col * D + d, _mm512_div_ps(x, by));
-    }
-  }
-}
 #endif
 
 void pack_queries(const float* q, int64_t cols, int64_t panels, int64_t D, float scale, float* dst) {
@@ -361,11 +317,181 @@ void pack_queries(const float* q, int64_t cols, int64_t panels, int64_t D, float
   pack_queries_portable(q, cols, panels, D, scale, dst);
 }
 
-void write_output(const float* o, const float* total, int64_t cols, int64_t D, float* out) {
+// 4. The values' product, with the tile's queries as rows: out [cols, D] (row stride D) = the softmax weights times
+// the values, each row divided by its query's total (zeros where a query attends no key). The values are read in
+// place, row by row: the `segments` in key order (the window's blocks of the KV head from the tile's first attended
+// one, then the chunk's own values up to the tile's end). The weights are the softmax's panels (`softmax_tile`):
+// query c's weight of key j at w[(c / 16) * keys * 16 + j * 16 + c % 16], so a block of rows inside one panel reads one
+// 64-byte line per key for all its broadcasts. Each output element is one accumulator taking weight * value for the
+// keys in order (fused multiply-adds on the vector paths, std::fma for the columns past the last 16: the same
+// rounding), so the AVX2 and AVX-512 paths give the same values, and a query's result depends on its own weights only.
+// Where one block of `rows` queries (inside one panel) writes: its weights' first column, its totals, its output rows.
+struct RowBlock {
+  const float* w;  // query 0's weight of key 0; key j at w + 16 j, query r at + r
+  const float* total;
+  float* out;  // row stride D
+  int64_t rows;
+};
+
+// The columns [d0, D) of a row block by scalar fused multiply-adds, in key order.
+void values_tail(const std::vector<Segment>& segments, int64_t D, int64_t d0, const RowBlock& rb) {
+  for (int64_t r = 0; r < rb.rows; ++r)
+    for (int64_t d = d0; d < D; ++d) {
+      float acc = 0.0f;
+      const float* wr = rb.w + r;
+      for (const Segment& seg : segments)
+        for (int64_t j = 0; j < seg.n; ++j, wr += kPanel) acc = std::fma(*wr, seg.v[j * D + d], acc);
+      const float t = rb.total[r];
+      rb.out[r * D + d] = t > 0.0f ? acc / t : 0.0f;
+    }
+}
+
+// The portable path: every column of each row, weight * value added (the machine's own rounding), in key order.
+void values_portable(const std::vector<Segment>& segments, int64_t D, const RowBlock& rb) {
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    float* out = rb.out + r * D;
+    std::fill(out, out + D, 0.0f);
+    const float* wr = rb.w + r;
+    for (const Segment& seg : segments)
+      for (int64_t j = 0; j < seg.n; ++j, wr += kPanel)
+        for (int64_t d = 0; d < D; ++d) out[d] += *wr * seg.v[j * D + d];
+    const float t = rb.total[r];
+    for (int64_t d = 0; d < D; ++d) out[d] = t > 0.0f ? out[d] / t : 0.0f;
+  }
+}
+
 #ifdef OPTIMUM_NEURON_X86
-  if (isa() == Isa::kAvx512 && D % kPanel == 0) return write_output_avx512(o, total, cols, D, out);
+// R rows x P panels of 16 columns from column d0, AVX-512: R * P accumulators, P value loads and R broadcasts per key.
+template <int R, int P>
+__attribute__((target("avx512f"))) void values_tile_avx512(const std::vector<Segment>& segments, int64_t D,
+                                                             int64_t d0, const RowBlock& rb) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  const float* wr = rb.w;
+  for (const Segment& seg : segments) {
+    const float* v = seg.v + d0;
+    for (int64_t j = 0; j < seg.n; ++j, wr += kPanel, v += D) {
+      __m512 x[P];
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) x[p] = _mm512_loadu_ps(v + kPanel * p);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 b = _mm512_set1_ps(wr[r]);
+#pragma GCC unroll 4
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(b, x[p], acc[r][p]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float t = rb.total[r];
+    for (int p = 0; p < P; ++p) {
+      const __m512 y = t > 0.0f ? _mm512_div_ps(acc[r][p], _mm512_set1_ps(t)) : _mm512_setzero_ps();
+      _mm512_storeu_ps(rb.out + r * D + d0 + kPanel * p, y);
+    }
+  }
+}
+
+// The AVX2 twin: R rows x one panel (two 8-float vectors), the same fused multiply-adds in the same order.
+template <int R>
+__attribute__((target("avx2,fma"))) void values_tile_avx2(const std::vector<Segment>& segments, int64_t D, int64_t d0,
+                                                          const RowBlock& rb) {
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  const float* wr = rb.w;
+  for (const Segment& seg : segments) {
+    const float* v = seg.v + d0;
+    for (int64_t j = 0; j < seg.n; ++j, wr += kPanel, v += D) {
+      const __m256 a = _mm256_loadu_ps(v), b = _mm256_loadu_ps(v + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 x = _mm256_set1_ps(wr[r]);
+        lo[r] = _mm256_fmadd_ps(x, a, lo[r]);
+        hi[r] = _mm256_fmadd_ps(x, b, hi[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float t = rb.total[r];
+    const __m256 by = _mm256_set1_ps(t), zero = _mm256_setzero_ps();
+    _mm256_storeu_ps(rb.out + r * D + d0, t > 0.0f ? _mm256_div_ps(lo[r], by) : zero);
+    _mm256_storeu_ps(rb.out + r * D + d0 + 8, t > 0.0f ? _mm256_div_ps(hi[r], by) : zero);
+  }
+}
+
+using ValuesTile = void (*)(const std::vector<Segment>&, int64_t, int64_t, const RowBlock&);
+
+// The AVX-512 tile of `rows` (1-6) rows x `panels` (1-4) panels.
+template <int P>
+ValuesTile avx512_values_tile(int64_t rows) {
+  static const ValuesTile tiles[6] = {values_tile_avx512<1, P>, values_tile_avx512<2, P>, values_tile_avx512<3, P>,
+                                      values_tile_avx512<4, P>, values_tile_avx512<5, P>, values_tile_avx512<6, P>};
+  return tiles[rows - 1];
+}
+
+ValuesTile values_tile_for(int64_t rows, int64_t panels) {
+  switch (panels) {
+    case 1: return avx512_values_tile<1>(rows);
+    case 2: return avx512_values_tile<2>(rows);
+    case 3: return avx512_values_tile<3>(rows);
+    default: return avx512_values_tile<4>(rows);
+  }
+}
+
+// A row block on AVX-512: the columns in groups of up to 4 panels (one pass over the keys each), then the tail.
+__attribute__((target("avx512f"))) void values_avx512(const std::vector<Segment>& segments, int64_t D,
+                                                      const RowBlock& rb) {
+  int64_t d0 = 0;
+  for (; d0 + kPanel <= D; d0 += kMaxPanels * kPanel) {
+    const int64_t panels = std::min<int64_t>(kMaxPanels, (D - d0) / kPanel);
+    values_tile_for(rb.rows, panels)(segments, D, d0, rb);
+    if (panels < kMaxPanels) {
+      d0 += panels * kPanel;
+      break;
+    }
+  }
+  if (d0 < D) values_tail(segments, D, d0, rb);
+}
+
+// A row block on AVX2: one panel per pass over the keys (up to 4 rows), then the tail.
+void values_avx2(const std::vector<Segment>& segments, int64_t D, const RowBlock& rb) {
+  static const ValuesTile tiles[4] = {values_tile_avx2<1>, values_tile_avx2<2>, values_tile_avx2<3>,
+                                      values_tile_avx2<4>};
+  int64_t d0 = 0;
+  for (; d0 + kPanel <= D; d0 += kPanel) tiles[rb.rows - 1](segments, D, d0, rb);
+  if (d0 < D) values_tail(segments, D, d0, rb);
+}
 #endif
-  write_output_portable(o, total, cols, D, out);
+
+// The most rows of a row block on this path (they stay inside one panel of 16 queries: `RowBlock`).
+int64_t values_rows() {
+#ifdef OPTIMUM_NEURON_X86
+  if (isa() == Isa::kAvx512) return 6;
+  if (isa() == Isa::kAvx2) return 4;
+#endif
+  return kPanel;
+}
+
+// out [cols, D] for the tile's `cols` queries: row blocks of up to `values_rows` queries inside each panel.
+void values_product(const std::vector<Segment>& segments, int64_t D, const float* w, int64_t keys, const float* total,
+                    int64_t cols, float* out) {
+  const int64_t most = values_rows();
+  for (int64_t c = 0; c < cols;) {
+    const int64_t rows = std::min({most, kPanel - c % kPanel, cols - c});
+    const RowBlock rb{w + (c / kPanel) * keys * kPanel + c % kPanel, total + c, out + c * D, rows};
+#ifdef OPTIMUM_NEURON_X86
+    if (isa() == Isa::kAvx512) {
+      values_avx512(segments, D, rb);
+    } else if (isa() == Isa::kAvx2) {
+      values_avx2(segments, D, rb);
+    } else {
+      values_portable(segments, D, rb);
+    }
+#else
+    values_portable(segments, D, rb);
+#endif
+    c += rows;
+  }
 }
 
 void run_task(const Call& c, int64_t task, Scratch& z) {
@@ -398,10 +524,12 @@ void run_task(const Call& c, int64_t task, Scratch& z) {
   }
   // 3. softmax weights as panels [keys, 16]
   softmax_tile(z.s.data(), c.bits + (b * tiles + tile) * c.L + k0, keys, width, z.w.data(), z.total);
-  // 4. O^T [D, width] = V^T [D, keys] times the weights; out = O / total
-  gemm_serial(c.vt + (b * c.Hk + head) * c.D * c.L + k0, c.D, keys, c.L, z.w.data(), panels, keys * kPanel,
-              z.o.data(), kTile, z.partial.data());
-  write_output(z.o.data(), z.total, cols, c.D, c.out + ((b * c.Hq + h) * c.C + t0) * c.D);
+  // 4. out = the weights times the values, read in place in key order, over each query's total
+  z.segments.clear();
+  for (int64_t i = first; i < c.nb; ++i)
+    z.segments.push_back({c.vc + ((c.table[b * c.nb + i] * c.Hk + head) * c.bs) * c.D, c.bs});
+  z.segments.push_back({c.v + ((b * c.Hk + head) * c.C) * c.D, t0 + cols});
+  values_product(z.segments, c.D, z.w.data(), keys, z.total, cols, c.out + ((b * c.Hq + h) * c.C + t0) * c.D);
 }
 
 at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
@@ -445,15 +573,10 @@ at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const std::vector<uint64_t> bits = mask_bits(reinterpret_cast<const uint8_t*>(mc.data_ptr<bool>()), B, C, L);
   const std::vector<uint8_t> live = live_blocks(bits.data(), B, tiles, L, nb, bs);
   const std::vector<int64_t> first = first_blocks(live, B * tiles, nb);
-  std::vector<int64_t> from(B);  // each row's first window block a tile of it attends (nb: none)
-  for (int64_t b = 0; b < B; ++b)
-    from[b] = *std::min_element(first.begin() + b * tiles, first.begin() + (b + 1) * tiles);
-  const at::Tensor vt = values_transposed(v_cache.data_ptr<float>(), vc.data_ptr<float>(),
-                                          windowed ? table.data_ptr<int64_t>() : nullptr, from, B, Hk, C, D, nb, bs,
-                                          L, q.options());
   const Call call{qc.data_ptr<float>(), kc.data_ptr<float>(), k_cache.data_ptr<float>(),
                   windowed ? table.data_ptr<int64_t>() : nullptr, bits.data(), live.data(), first.data(),
-                  vt.data_ptr<float>(), out.data_ptr<float>(), Hq, Hk, C, D, nb, bs, L, static_cast<float>(scale)};
+                  v_cache.data_ptr<float>(), vc.data_ptr<float>(), out.data_ptr<float>(), Hq, Hk, C, D, nb, bs, L,
+                  static_cast<float>(scale)};
   const int64_t tasks = B * Hq * ((C + kTile - 1) / kTile);
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(call);
