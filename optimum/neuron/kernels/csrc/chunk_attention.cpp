@@ -442,13 +442,10 @@ ValuesTile values_tile_for(int64_t rows, int64_t panels) {
 __attribute__((target("avx512f"))) void values_avx512(const std::vector<Segment>& segments, int64_t D,
                                                       const RowBlock& rb) {
   int64_t d0 = 0;
-  for (; d0 + kPanel <= D; d0 += kMaxPanels * kPanel) {
+  while (D - d0 >= kPanel) {
     const int64_t panels = std::min<int64_t>(kMaxPanels, (D - d0) / kPanel);
     values_tile_for(rb.rows, panels)(segments, D, d0, rb);
-    if (panels < kMaxPanels) {
-      d0 += panels * kPanel;
-      break;
-    }
+    d0 += panels * kPanel;
   }
   if (d0 < D) values_tail(segments, D, d0, rb);
 }
