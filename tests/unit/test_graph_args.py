@@ -35,6 +35,8 @@ def test_graphs_returning_every_row_or_no_chunk_take_no_flag() -> None:
 
 
 def test_verification_and_token_generation_keep_their_order() -> None:
+    """A verification graph holds None in its absent window's place before the adapters; a token-generation graph
+    takes its block table, then the four sampling inputs (None each when it returns logits), then the adapters."""
     cache, slots = [torch.zeros(1)], torch.zeros(2, dtype=torch.int32)
     table = torch.zeros(2, 4, dtype=torch.int32)
     tokens = {"input_ids": slots, "position_ids": slots, "slot_mapping": slots}
