@@ -28,6 +28,7 @@ CASES = [  # (rows, query heads, KV heads, head size, block size, window blocks,
     (1, 4, 4, 32, 4, 5, 9, 20, 2, 6),  # no grouping, a sliding window shorter than the chunk
     (3, 4, 2, 16, 4, 3, 5, 9, 0, None),  # verification: three rows, each its own sequence
     (1, 4, 2, 80, 8, 3, 40, 16, 3, None),  # a head size of 4 panels + 1: the values' product in two passes
+    (1, 3, 1, 32, 16, 20, 300, 320, 5, None),  # over 256 keys: key blocks (AVX2, portable), a chunk cut in two
 ]
 
 

@@ -24,6 +24,9 @@
 //      lanes' mask), writing the weights as panels [keys, 16];
 //   4. computes the output rows [queries, D] = the weights times the values, with the queries as rows and the values
 //      read in place, row by row, from the first attended block on (`values_product`), and divides by the totals.
+//      On AVX2 (and the portable path) panel by panel, each panel's keys stopping at its causal end, in blocks of 256
+//      keys that every row block of the panel runs before the next (`values_panel`): the sums are carried in the
+//      output rows, so a block's values stay in the caches for the panel's row blocks.
 // The scores run at the panel GEMM's rate, where torch's CPU flash attention runs its blocks through a generic sgemm
 // and a float mask; the queries of a tile share every key and value they read. The values' product once ran on the
 // same GEMM over V^T [D, keys], transposed once per call: its tiles then streamed four panels of weights and six rows
@@ -42,8 +45,17 @@
 // Instruction sets: the panel GEMM's paths (AVX-512, AVX2 + FMA, portable); the softmax likewise (16 or 8 columns per
 // vector, the same values lane for lane; a key no column of the vector attends is skipped: exact zeros); the mask's
 // rows read as bits 32 bytes at a time (AVX2); the queries' packing by 16-lane gathers (AVX-512); the values' product
-// in tiles of up to 6 rows x 4 panels (AVX-512) or 4 rows x 1 panel (AVX2), the columns past the last 16 by std::fma
+// in tiles of up to 6 rows x 4 panels (AVX-512) or 6 rows x 1 panel (AVX2), the columns past the last 16 by std::fma
 // (the same values on both); portable C++ otherwise (`isa.h`).
+//
+// The AVX2 path on a 2-core AMD Zen 3 VM (family 25 model 1), SmolLM2's chunk attention of a 1,024-token prompt's
+// four chunks (9 / 3 heads), each change alternating with the build before it in one process, bitwise equal: row
+// blocks of 6 queries instead of 4 (12 accumulators, where 8 left no slack over the fused multiply-add's latency)
+// 0.969x the time; the softmax's keys that every query of the tile attends taken without the lane mask 0.989x; key
+// blocks of 256 in the values' product 0.975x (128: 0.976-0.98x, 64: 0.988x, 32: 1.03x); the keys past each
+// panel's causal end skipped 0.989x; together 0.886x on two threads, 0.903x on one. Not kept: the tasks split by
+// their cost rather than their count (0.997x), the exp pass key by key over every column at once (1.010x). The
+// AVX-512 path was not measured with these (no AVX-512 on that VM) and keeps its one pass over all the keys.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -62,6 +74,7 @@ namespace optimum_neuron {
 namespace {
 
 constexpr int64_t kTile = 4 * kPanel;  // query tokens per task: the widest register tile of the GEMM
+constexpr int64_t kValueKeys = 256;    // keys per block of the values' product on AVX2 and portable (`values_panel`)
 
 // What every task of one call reads.
 struct Call {
@@ -110,13 +123,19 @@ __attribute__((target("avx2,fma"))) inline __m256 lanes8(uint64_t bits, int64_t 
 // weigh exactly 0 (the exp's result cleared by the lane mask). The maxima of all kTile columns run side by side over
 // the keys, one chain per vector (a column past `width` has no mask bits: its chain stays -inf, unused), rather than
 // one vector's chain over every key after another's: a single chain of maxima waits on each one's latency. The
-// maximum is exact whatever the order, so the values are the same.
+// maximum is exact whatever the order, so the values are the same. A key every column attends (all 64 bits: the
+// window's keys and the earlier chunk keys of a full tile) skips the lane mask, which would keep every lane.
 __attribute__((target("avx2,fma"))) void softmax_avx2(const float* s, const uint64_t* bits, int64_t keys,
                                                       int64_t width, float* w, float* total) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 tops[kTile / 8];
   for (__m256& top : tops) top = ninf;
   for (int64_t j = 0; j < keys; ++j) {
+    if (bits[j] == ~uint64_t{0}) {  // every column attends the key: no lane mask
+#pragma GCC unroll 8
+      for (int64_t g = 0; g < kTile / 8; ++g) tops[g] = _mm256_max_ps(tops[g], _mm256_loadu_ps(s + j * kTile + 8 * g));
+      continue;
+    }
 #pragma GCC unroll 8
     for (int64_t g = 0; g < kTile / 8; ++g)
       tops[g] = _mm256_max_ps(tops[g],
@@ -133,7 +152,8 @@ __attribute__((target("avx2,fma"))) void softmax_avx2(const float* s, const uint
         _mm256_storeu_ps(panel + j * kPanel, _mm256_setzero_ps());
         continue;
       }
-      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j * kTile + c), base)), lanes8(bits[j], c));
+      const __m256 x = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j * kTile + c), base));
+      const __m256 e = ((bits[j] >> c) & 0xFF) == 0xFF ? x : _mm256_and_ps(x, lanes8(bits[j], c));
       sum = _mm256_add_ps(sum, e);
       _mm256_storeu_ps(panel + j * kPanel, e);
     }
@@ -190,7 +210,8 @@ struct Segment {
 // Scratch of one thread, sized for the call's largest tile.
 struct Scratch {
   std::vector<float> q, s, w, partial;
-  std::vector<Segment> segments;
+  std::vector<Segment> segments, pieces;
+  std::vector<int64_t> starts;
   float total[kTile];
   explicit Scratch(const Call& c)
       : q(c.D * kTile), s(c.L * kTile), w(c.L * kTile), partial(std::max({c.bs, c.C, c.D}) * kTile) {
@@ -333,30 +354,38 @@ struct RowBlock {
   int64_t rows;
 };
 
-// The columns [d0, D) of a row block by scalar fused multiply-adds, in key order.
-void values_tail(const std::vector<Segment>& segments, int64_t D, int64_t d0, const RowBlock& rb) {
+// Divide the columns [d0, D) of a row block's rows by their totals (zeros where a query attends no key).
+void divide_columns(const RowBlock& rb, int64_t D, int64_t d0) {
+  for (int64_t r = 0; r < rb.rows; ++r) {
+    const float t = rb.total[r];
+    float* out = rb.out + r * D;
+    for (int64_t d = d0; d < D; ++d) out[d] = t > 0.0f ? out[d] / t : 0.0f;
+  }
+}
+
+// The sums of the columns [d0, D) of a row block over the keys of `n` segments by scalar fused multiply-adds, in key
+// order: from zero (`first`) or from what the block's output holds (the sums over the keys before these).
+void values_tail(const Segment* seg, int64_t n, int64_t D, int64_t d0, const RowBlock& rb, bool first) {
   for (int64_t r = 0; r < rb.rows; ++r)
     for (int64_t d = d0; d < D; ++d) {
-      float acc = 0.0f;
+      float acc = first ? 0.0f : rb.out[r * D + d];
       const float* wr = rb.w + r;
-      for (const Segment& seg : segments)
-        for (int64_t j = 0; j < seg.n; ++j, wr += kPanel) acc = std::fma(*wr, seg.v[j * D + d], acc);
-      const float t = rb.total[r];
-      rb.out[r * D + d] = t > 0.0f ? acc / t : 0.0f;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < seg[i].n; ++j, wr += kPanel) acc = std::fma(*wr, seg[i].v[j * D + d], acc);
+      rb.out[r * D + d] = acc;
     }
 }
 
-// The portable path: every column of each row, weight * value added (the machine's own rounding), in key order.
-void values_portable(const std::vector<Segment>& segments, int64_t D, const RowBlock& rb) {
+// The portable path: every column of each row, weight * value added (the machine's own rounding), in key order,
+// from zero (`first`) or from the sums so far.
+void values_portable(const Segment* seg, int64_t n, int64_t D, const RowBlock& rb, bool first) {
   for (int64_t r = 0; r < rb.rows; ++r) {
     float* out = rb.out + r * D;
-    std::fill(out, out + D, 0.0f);
+    if (first) std::fill(out, out + D, 0.0f);
     const float* wr = rb.w + r;
-    for (const Segment& seg : segments)
-      for (int64_t j = 0; j < seg.n; ++j, wr += kPanel)
-        for (int64_t d = 0; d < D; ++d) out[d] += *wr * seg.v[j * D + d];
-    const float t = rb.total[r];
-    for (int64_t d = 0; d < D; ++d) out[d] = t > 0.0f ? out[d] / t : 0.0f;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < seg[i].n; ++j, wr += kPanel)
+        for (int64_t d = 0; d < D; ++d) out[d] += *wr * seg[i].v[j * D + d];
   }
 }
 
@@ -392,16 +421,20 @@ __attribute__((target("avx512f"))) void values_tile_avx512(const std::vector<Seg
   }
 }
 
-// The AVX2 twin: R rows x one panel (two 8-float vectors), the same fused multiply-adds in the same order.
+// The AVX2 tile: R rows x one panel (two 8-float vectors), the same fused multiply-adds in the same order as the
+// AVX-512 one, over the keys of `n` segments, from zero (`first`) or from the sums so far in the block's output.
 template <int R>
-__attribute__((target("avx2,fma"))) void values_tile_avx2(const std::vector<Segment>& segments, int64_t D, int64_t d0,
-                                                          const RowBlock& rb) {
+__attribute__((target("avx2,fma"))) void values_tile_avx2(const Segment* seg, int64_t n, int64_t D, int64_t d0,
+                                                          const RowBlock& rb, bool first) {
   __m256 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    lo[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(rb.out + r * D + d0);
+    hi[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(rb.out + r * D + d0 + 8);
+  }
   const float* wr = rb.w;
-  for (const Segment& seg : segments) {
-    const float* v = seg.v + d0;
-    for (int64_t j = 0; j < seg.n; ++j, wr += kPanel, v += D) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = seg[i].v + d0;
+    for (int64_t j = 0; j < seg[i].n; ++j, wr += kPanel, v += D) {
       const __m256 a = _mm256_loadu_ps(v), b = _mm256_loadu_ps(v + 8);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -412,10 +445,8 @@ __attribute__((target("avx2,fma"))) void values_tile_avx2(const std::vector<Segm
     }
   }
   for (int r = 0; r < R; ++r) {
-    const float t = rb.total[r];
-    const __m256 by = _mm256_set1_ps(t), zero = _mm256_setzero_ps();
-    _mm256_storeu_ps(rb.out + r * D + d0, t > 0.0f ? _mm256_div_ps(lo[r], by) : zero);
-    _mm256_storeu_ps(rb.out + r * D + d0 + 8, t > 0.0f ? _mm256_div_ps(hi[r], by) : zero);
+    _mm256_storeu_ps(rb.out + r * D + d0, lo[r]);
+    _mm256_storeu_ps(rb.out + r * D + d0 + 8, hi[r]);
   }
 }
 
@@ -438,7 +469,7 @@ ValuesTile values_tile_for(int64_t rows, int64_t panels) {
   }
 }
 
-// A row block on AVX-512: the columns in groups of up to 4 panels (one pass over the keys each), then the tail.
+// A row block on AVX-512: the columns in groups of up to 4 panels (one pass over all the keys each), then the tail.
 __attribute__((target("avx512f"))) void values_avx512(const std::vector<Segment>& segments, int64_t D,
                                                       const RowBlock& rb) {
   int64_t d0 = 0;
@@ -447,48 +478,94 @@ __attribute__((target("avx512f"))) void values_avx512(const std::vector<Segment>
     values_tile_for(rb.rows, panels)(segments, D, d0, rb);
     d0 += panels * kPanel;
   }
-  if (d0 < D) values_tail(segments, D, d0, rb);
+  if (d0 < D) {
+    values_tail(segments.data(), static_cast<int64_t>(segments.size()), D, d0, rb, true);
+    divide_columns(rb, D, d0);
+  }
 }
 
-// A row block on AVX2: one panel per pass over the keys (up to 4 rows), then the tail.
-void values_avx2(const std::vector<Segment>& segments, int64_t D, const RowBlock& rb) {
-  static const ValuesTile tiles[4] = {values_tile_avx2<1>, values_tile_avx2<2>, values_tile_avx2<3>,
-                                      values_tile_avx2<4>};
+// A row block's sums over the keys of `n` segments on AVX2: one panel per pass over them (up to 6 rows), then the
+// tail.
+void values_avx2(const Segment* seg, int64_t n, int64_t D, const RowBlock& rb, bool first) {
+  using Tile = void (*)(const Segment*, int64_t, int64_t, int64_t, const RowBlock&, bool);
+  static const Tile tiles[6] = {values_tile_avx2<1>, values_tile_avx2<2>, values_tile_avx2<3>,
+                                values_tile_avx2<4>, values_tile_avx2<5>, values_tile_avx2<6>};
   int64_t d0 = 0;
-  for (; d0 + kPanel <= D; d0 += kPanel) tiles[rb.rows - 1](segments, D, d0, rb);
-  if (d0 < D) values_tail(segments, D, d0, rb);
+  for (; d0 + kPanel <= D; d0 += kPanel) tiles[rb.rows - 1](seg, n, D, d0, rb, first);
+  if (d0 < D) values_tail(seg, n, D, d0, rb, first);
 }
 #endif
 
 // The most rows of a row block on this path (they stay inside one panel of 16 queries: `RowBlock`).
 int64_t values_rows() {
 #ifdef OPTIMUM_NEURON_X86
-  if (isa() == Isa::kAvx512) return 6;
-  if (isa() == Isa::kAvx2) return 4;
+  if (isa() != Isa::kPortable) return 6;
 #endif
   return kPanel;
 }
 
-// out [cols, D] for the tile's `cols` queries: row blocks of up to `values_rows` queries inside each panel.
-void values_product(const std::vector<Segment>& segments, int64_t D, const float* w, int64_t keys, const float* total,
-                    int64_t cols, float* out) {
-  const int64_t most = values_rows();
-  for (int64_t c = 0; c < cols;) {
-    const int64_t rows = std::min({most, kPanel - c % kPanel, cols - c});
-    const RowBlock rb{w + (c / kPanel) * keys * kPanel + c % kPanel, total + c, out + c * D, rows};
-#ifdef OPTIMUM_NEURON_X86
-    if (isa() == Isa::kAvx512) {
-      values_avx512(segments, D, rb);
-    } else if (isa() == Isa::kAvx2) {
-      values_avx2(segments, D, rb);
-    } else {
-      values_portable(segments, D, rb);
+// The keys of `segments` up to `limit` cut into `pieces` of at most kValueKeys keys, grouped into key blocks of at
+// most kValueKeys keys: block i is pieces [starts[i], starts[i + 1]) (`starts` closed by the pieces' count).
+void key_blocks(const std::vector<Segment>& segments, int64_t D, int64_t limit, std::vector<Segment>& pieces,
+                std::vector<int64_t>& starts) {
+  pieces.clear();
+  starts.clear();
+  int64_t taken = 0;
+  for (const Segment& seg : segments)
+    for (int64_t j = 0; j < seg.n && taken < limit; j += kValueKeys) {
+      pieces.push_back({seg.v + j * D, std::min({kValueKeys, seg.n - j, limit - taken})});
+      taken += pieces.back().n;
     }
-#else
-    values_portable(segments, D, rb);
-#endif
-    c += rows;
+  int64_t held = kValueKeys;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if (held + pieces[i].n > kValueKeys) starts.push_back(static_cast<int64_t>(i)), held = 0;
+    held += pieces[i].n;
   }
+  starts.push_back(static_cast<int64_t>(pieces.size()));
+}
+
+// The AVX2 and portable values' product of one panel of queries [c0, c0 + width): for each key block (`key_blocks`),
+// each row block's sums over its keys, carried in the output rows from one block to the next; then the division by
+// the totals. The keys stop at the panel's causal end: its queries weigh every later key exactly 0.
+void values_panel(const std::vector<Segment>& segments, int64_t D, const float* w, int64_t keys, const float* total,
+                  int64_t cols, int64_t c0, float* out, Scratch& z) {
+  const int64_t width = std::min(kPanel, cols - c0), most = values_rows();
+  key_blocks(segments, D, keys - cols + c0 + width, z.pieces, z.starts);
+  int64_t j0 = 0;  // the block's first key
+  for (size_t blk = 0; blk + 1 < z.starts.size(); ++blk) {
+    const Segment* seg = z.pieces.data() + z.starts[blk];
+    const int64_t n = z.starts[blk + 1] - z.starts[blk];
+    for (int64_t c = c0; c < c0 + width; c += most) {
+      const RowBlock rb{w + (c0 / kPanel) * keys * kPanel + j0 * kPanel + c % kPanel, total + c, out + c * D,
+                        std::min(most, c0 + width - c)};
+#ifdef OPTIMUM_NEURON_X86
+      if (isa() == Isa::kAvx2) {
+        values_avx2(seg, n, D, rb, blk == 0);
+        continue;
+      }
+#endif
+      values_portable(seg, n, D, rb, blk == 0);
+    }
+    for (int64_t i = 0; i < n; ++i) j0 += seg[i].n;
+  }
+  divide_columns({w, total + c0, out + c0 * D, width}, D, 0);
+}
+
+// out [cols, D] for the tile's `cols` queries. AVX-512: row blocks of up to 6 queries inside each panel, each over
+// all the keys in one pass (`values_avx512`). AVX2 and portable: panel by panel, in key blocks (`values_panel`).
+void values_product(const std::vector<Segment>& segments, int64_t D, const float* w, int64_t keys, const float* total,
+                    int64_t cols, float* out, Scratch& z) {
+#ifdef OPTIMUM_NEURON_X86
+  if (isa() == Isa::kAvx512) {
+    for (int64_t c = 0; c < cols;) {
+      const int64_t rows = std::min({values_rows(), kPanel - c % kPanel, cols - c});
+      values_avx512(segments, D, {w + (c / kPanel) * keys * kPanel + c % kPanel, total + c, out + c * D, rows});
+      c += rows;
+    }
+    return;
+  }
+#endif
+  for (int64_t c0 = 0; c0 < cols; c0 += kPanel) values_panel(segments, D, w, keys, total, cols, c0, out, z);
 }
 
 void run_task(const Call& c, int64_t task, Scratch& z) {
@@ -526,7 +603,7 @@ void run_task(const Call& c, int64_t task, Scratch& z) {
   for (int64_t i = first; i < c.nb; ++i)
     z.segments.push_back({c.vc + ((c.table[b * c.nb + i] * c.Hk + head) * c.bs) * c.D, c.bs});
   z.segments.push_back({c.v + ((b * c.Hk + head) * c.C) * c.D, t0 + cols});
-  values_product(z.segments, c.D, z.w.data(), keys, z.total, cols, c.out + ((b * c.Hq + h) * c.C + t0) * c.D);
+  values_product(z.segments, c.D, z.w.data(), keys, z.total, cols, c.out + ((b * c.Hq + h) * c.C + t0) * c.D, z);
 }
 
 at::Tensor chunk_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
