@@ -1,6 +1,6 @@
 // The instruction set every kernel of the toolkit's CPU library runs (every source of kernels/library.py): the
 // best path this CPU has, lowered by OPTIMUM_NEURON_PACKED_ISA (avx2, portable: for comparison and tests). Read once
-// per process, shared by every kernel. Beside it, the CPU's vendor, on which two schedule choices depend rather than on
+// per process, shared by every kernel. Beside it, the CPU's vendor, on which two schedule choices depend as well as on
 // its instructions (`amd_cpu`).
 #pragma once
 
@@ -27,7 +27,7 @@ inline Isa isa() {
 }
 
 // Whether this CPU is AMD's: the schedule choices that depend on the vendor (`stream_once_pays`, panel_tiles.h
-// `block_k`) were measured on AMD Zen 4 / Zen 5 and Intel Xeon VMs, and went different ways.
+// `block_k`) were measured on AMD Zen 3 / Zen 4 / Zen 5 and Intel Xeon VMs, and went different ways.
 inline bool amd_cpu() {
 #if defined(__x86_64__) || defined(_M_X64)
   static const bool amd = __builtin_cpu_is("amd") != 0;
@@ -43,13 +43,20 @@ inline bool amd_cpu() {
 // (SmolLM2's products at 1 row); on a 2-core Intel Xeon VM (family 6 model 207, AVX-512), fresh processes alternating,
 // SmolLM2's 30 layers and LM head (538 MB) took 1.7-2.0x the time at 1 row and 1.35-1.6x at 8 rows (the groups read
 // 20-28 GB/s, about what a 2-thread `sum` reads there, the stream 11-16), 90 layers (1.27 GB) 1.3-1.6x and
-// 1.5-2.0x. So AMD CPUs take it and the others do not; OPTIMUM_NEURON_STREAM_ONCE=1 or 0 (read once) overrides, to
-// measure a new CPU.
+// 1.5-2.0x. On a 2-core AMD Zen 3 VM (family 25 model 1, AVX2, no AVX-512) the batch-1 engine's decode step, fresh
+// processes alternating (10 pairs, 2026-12-07), took 1.09x the groups' time with the stream (median of the pairs'
+// ratios; 21.6 against 19.8 ms, medians). So AMD CPUs with AVX-512 (Zen 4 on, the hardware's capability, whatever
+// path OPTIMUM_NEURON_PACKED_ISA picks: the Zen 5 VM's AVX2 path gained too) take it and the others do not;
+// OPTIMUM_NEURON_STREAM_ONCE=1 or 0 (read once) overrides, to measure a new CPU.
 inline bool stream_once_pays() {
   static const bool pays = [] {
     const char* asked = std::getenv("OPTIMUM_NEURON_STREAM_ONCE");
     if (asked != nullptr && (std::strcmp(asked, "0") == 0 || std::strcmp(asked, "1") == 0)) return asked[0] == '1';
-    return amd_cpu();
+#if defined(__x86_64__) || defined(_M_X64)
+    return amd_cpu() && __builtin_cpu_supports("avx512f");
+#else
+    return false;
+#endif
   }();
   return pays;
 }
