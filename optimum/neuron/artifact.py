@@ -30,6 +30,7 @@ from .errors import ArtifactError, IncompatibleConfigError
 from .graphs import graph_specs
 from .kernels import library as kernel_library
 from .kernels import packed as packed_kernel
+from .kernels.huge_pages import on_huge_pages
 from .models.base import StaticDecoder
 from .models.layers.attention import attention_dims
 from .models.layers.kv_cache import allocate_kv_cache
@@ -275,9 +276,9 @@ def graph_weights(
 ) -> dict[str, torch.Tensor]:
     """The weight set every graph of rank ``rank`` binds, derived from the stored ``weights`` (the checkpoint's layout,
     quantized layers in `quantization`'s stored form): the rank's slice (`quantization.graph_form`), its linear layers
-    packed when ``config.packed_linears``. The toolkit's kernel library is loaded when the graphs call one of its
-    operators (`NeuronConfig.cpu_kernels`). Still one set: each packed tensor replaces its stored one, nothing is
-    kept twice."""
+    packed when ``config.packed_linears`` (together in one arena on huge pages where the OS offers them:
+    `kernels.huge_pages`). The toolkit's kernel library is loaded when the graphs call one of its operators
+    (`NeuronConfig.cpu_kernels`). Still one set: each packed tensor replaces its stored one, nothing is kept twice."""
     weights = graph_form(weights, config, lambda full: rank_weights(hf_config, config, full, rank))
     if config.packed_linears:
         _check_packed_device(weights)
@@ -287,10 +288,10 @@ def graph_weights(
     if not config.packed_linears:
         return weights | adapters
     names = packed_weights(graph_decoder(hf_config, config))
-    packed = {name: packed_kernel.pack(tensor) if name in names else tensor for name, tensor in weights.items()}
+    packed = {name: packed_kernel.pack(tensor) for name, tensor in weights.items() if name in names}
     for layer in quantized_layers(weights):
         packed.update(_packed_quantized(layer, weights, layer_format(config, layer)))
-    return packed | adapters
+    return weights | on_huge_pages(packed) | adapters
 
 
 def _packed_quantized(layer: str, weights: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
