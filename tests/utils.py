@@ -1,14 +1,15 @@
-"""Test helpers: `subprocess_test` runs a test alone in a fresh interpreter; `HAS_TORCH_XLA`."""
+"""Test helpers: `subprocess_test` runs a test alone in a fresh interpreter; `HAS_TORCH_XLA`; `tile_one_arena`."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _CHILD = "OPTIMUM_NEURON_IN_SUBPROCESS"
@@ -59,3 +60,14 @@ def settled(read: Callable[[], Any], want: Any, seconds: float = 10.0) -> Any:
     while (got := read()) != want and time.monotonic() < deadline:
         time.sleep(0.05)
     return got
+
+
+def tile_one_arena(tensors: Sequence[Any]) -> bool:
+    """Whether ``tensors`` lie one after the other in memory, in the order given, from a 2 MiB boundary: each starts at
+    most one alignment step (`kernels.huge_pages.ALIGN`) after the previous one's end, as in one huge-pages arena."""
+    from optimum.neuron.kernels.huge_pages import ALIGN, HUGE_PAGE
+
+    spans = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors]
+    return spans[0][0] % HUGE_PAGE == 0 and all(
+        end <= start < end + ALIGN for (_, end), (start, _) in itertools.pairwise(spans)
+    )

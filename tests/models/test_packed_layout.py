@@ -5,19 +5,18 @@ serves both the lookup and the LM head)."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from optimum.neuron.artifact import WEIGHTS_FILE, Artifact, graph_weights
 from optimum.neuron.errors import IncompatibleConfigError
-from optimum.neuron.kernels.huge_pages import ALIGN, HUGE_PAGE, huge_pages_offered
+from optimum.neuron.kernels.huge_pages import huge_pages_offered
 from optimum.neuron.kernels.packed import PANEL
 from optimum.neuron.runtime.engine import Engine
 from tests.contract.engine_tools import alone, prefill_logits, prompt
 from tests.fixtures.llm.models import export_fixture
+from tests.utils import tile_one_arena
 
 PACKED, ATEN = "llama-2x4x8-eager", "llama-2x4x8-aten-eager"
 
@@ -56,11 +55,7 @@ def test_the_packed_tensors_share_one_arena_on_huge_pages(engines: tuple[Engine,
     packed, _aten = engines
     streamed = [t for t in packed.weights.values() if t.dim() == 3 and t.shape[-1] == PANEL]
     assert len(streamed) > 2
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in streamed)
-    assert spans[0][0] % HUGE_PAGE == 0
-    assert all(end <= start < end + ALIGN for (_, end), (start, _) in itertools.pairwise(spans)), (
-        "the packed weights do not tile one arena"
-    )
+    assert tile_one_arena(sorted(streamed, key=lambda t: t.data_ptr())), "the packed weights do not tile one arena"
 
 
 def test_packed_weights_off_the_cpu_are_refused(engines: tuple[Engine, Engine]) -> None:

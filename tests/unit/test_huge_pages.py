@@ -1,10 +1,9 @@
-"""`kernels.huge_pages.on_huge_pages`: the packed weights copied into one arena advised for transparent huge pages,
+"""`kernels.huge_pages.on_huge_pages`: the packed weights moved into one arena advised for transparent huge pages,
 with their names, shapes, dtypes and values unchanged; left where they are when switched off."""
 
 from __future__ import annotations
 
 import gc
-import itertools
 import re
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from optimum.neuron.kernels.huge_pages import ALIGN, HUGE_PAGE, huge_pages_offered, on_huge_pages
+from tests.utils import tile_one_arena
 
 needs_thp = pytest.mark.skipif(not huge_pages_offered(), reason="this OS offers no transparent huge pages")
 
@@ -37,11 +37,7 @@ def test_the_tensors_move_into_one_aligned_arena_unchanged() -> None:
         assert placed[name].dtype == tensor.dtype and placed[name].shape == tensor.shape
         assert torch.equal(placed[name], tensor)
         assert placed[name].data_ptr() % ALIGN == 0
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in placed.values()]
-    assert spans[0][0] % HUGE_PAGE == 0
-    assert all(end <= start < end + ALIGN for (_, end), (start, _) in itertools.pairwise(spans)), (
-        "not one arena, in order"
-    )
+    assert tile_one_arena(list(placed.values())), "not one arena, in order"
     storages = {t.untyped_storage().data_ptr() for t in placed.values()}
     assert len(storages) == len(placed), "the tensors share a storage: tracing would see them alias"
 

@@ -155,7 +155,7 @@ def test_bad_inputs_are_refused_not_crashes(call, message: str) -> None:  # type
         call(packed.pack(torch.randn(20, 8)))
 
 
-def test_no_compiler_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_compiler_is_a_typed_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from torch.utils import cpp_extension
 
     def broken(*args: object, **kwargs: object) -> None:
@@ -163,6 +163,7 @@ def test_no_compiler_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(cpp_extension, "load", broken)
     monkeypatch.setattr(library, "_loaded", [])
+    monkeypatch.setenv("OPTIMUM_NEURON_CACHE", str(tmp_path))  # nothing built there yet
     with pytest.raises(BackendUnavailableError, match="--linear_kernel aten --attention_kernel sdpa"):
         library.load()
 
@@ -170,16 +171,46 @@ def test_no_compiler_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_build_killed_midway_does_not_hang_the_next(tmp_path: Path) -> None:
     """torch's extension builder keeps a ``lock`` file in the build folder while it builds; a process killed then (a
     compile worker killed with its exporter) left it, and every later load waited for it forever. A load under the
-    build's cache lock drops it (here: the built library copied into a fresh cache, so nothing is recompiled)."""
-    key = library._build_key()
-    build = tmp_path / "kernels" / key
-    shutil.copytree(cache_root() / "kernels" / key, build)
+    build's cache lock drops it (here: the built library copied into a fresh cache without its mark of a finished
+    build, so ninja finds every output up to date and nothing is recompiled)."""
+    build = _built_copy(tmp_path)
+    (build / library.BUILT).unlink()
     (build / "lock").write_text("")
     env = {**os.environ, "OPTIMUM_NEURON_CACHE": str(tmp_path)}
     command = [sys.executable, "-c", "from optimum.neuron.kernels import library; library.load(); print('ok')"]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)  # without the fix: forever
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
-    assert not (build / "lock").exists()
+    assert not (build / "lock").exists() and (build / library.BUILT).exists()
+
+
+def test_a_built_library_loads_from_an_environment_reached_by_another_path(tmp_path: Path) -> None:
+    """The environment linked under another name (as every docs-check block links ``.venv``) changes the paths torch's
+    builder writes into its compile commands, and loading through the builder recompiled the whole library (~40 s)
+    in every such process; a finished build is now loaded as it is. Here the builder fails if called, and the loaded
+    library computes a product."""
+    _built_copy(tmp_path)
+    (tmp_path / "env").symlink_to(sys.prefix, target_is_directory=True)
+    script = (
+        "import torch; from torch.utils import cpp_extension\n"
+        "def builder(*args, **kwargs): raise AssertionError('the library was built again')\n"
+        "cpp_extension.load = builder\n"
+        "from optimum.neuron.kernels import library, packed; library.load()\n"
+        "x, w = torch.randn(3, 8), torch.randn(20, 8)\n"
+        "print(torch.allclose(packed.packed_linear(x, packed.pack(w), None, 20), x @ w.t(), atol=1e-5))"
+    )
+    env = {**os.environ, "OPTIMUM_NEURON_CACHE": str(tmp_path)}
+    python = tmp_path / "env" / "bin" / Path(sys.executable).name
+    done = subprocess.run([str(python), "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("True"), done.stderr[-2000:]
+
+
+def _built_copy(cache: Path) -> Path:
+    """The library this process loaded, copied into the kernels folder of the fresh cache ``cache``."""
+    library.load()
+    key = library._build_key()
+    build = cache / "kernels" / key
+    shutil.copytree(cache_root() / "kernels" / key, build)
+    return build
 
 
 class _Tiny(nn.Module):

@@ -31,6 +31,8 @@ _FLAGS = ("-O3", "-fopenmp")
 ``#pragma omp parallel`` is ignored: a kernel then ran on one thread whatever torch's thread count."""
 _LDFLAGS = ("-fopenmp",)
 """libgomp.so.1, the soname torch itself loads: the loader reuses torch's runtime, so there is one thread pool."""
+BUILT = "built"
+"""The file a finished build leaves in its folder (a build killed midway leaves none, and the next load builds)."""
 _LOCK = threading.Lock()
 _loaded: list[str] = []
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -47,30 +49,45 @@ def load() -> None:
     with _LOCK:
         if _loaded:
             return
-        from torch.utils import cpp_extension
-
         key = _build_key()
-        build = cache_root() / "kernels" / key
+        name, build = f"optimum_neuron_kernels_{key}", cache_root() / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
         with cache_lock(build.with_name(f"{key}.lock")):
-            _drop_stale_baton(build)
-            try:
-                cpp_extension.load(
-                    name=f"optimum_neuron_kernels_{key}",
-                    sources=[str(source) for source in SOURCES],
-                    build_directory=str(build),
-                    extra_cflags=list(_FLAGS),
-                    extra_ldflags=list(_LDFLAGS),
-                    is_python_module=False,
-                    verbose=False,
-                )
-            except (OSError, RuntimeError, ImportError) as err:
-                raise BackendUnavailableError(
-                    f"cannot build the toolkit's CPU kernels ({', '.join(s.name for s in SOURCES)}: {err}): install a "
-                    "C++ compiler (g++) and ninja, or export with --linear_kernel aten --attention_kernel sdpa."
-                ) from err
+            if (build / BUILT).exists():
+                torch.ops.load_library(str(build / f"{name}.so"))
+            else:
+                _build(name, build)
         _loaded.append(key)
         steady_heap()
+
+
+def _build(name: str, build: Path) -> None:
+    """Compile and load the library ``name`` in ``build`` (under the build's cache lock), then mark it built.
+
+    torch's builder writes the compile commands, with the paths of the running environment's torch, into the
+    folder's ``build.ninja``, and ninja recompiles everything when a command changes: loading through it from an
+    environment reached by another path (a linked ``.venv``, as in every docs-check block) recompiled the whole library,
+    ~40 s on two cores, in every such process. Once `BUILT` is written, `load` takes the library as it is: its key
+    already holds what it depends on."""
+    from torch.utils import cpp_extension
+
+    _drop_stale_baton(build)
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(source) for source in SOURCES],
+            build_directory=str(build),
+            extra_cflags=list(_FLAGS),
+            extra_ldflags=list(_LDFLAGS),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError) as err:
+        raise BackendUnavailableError(
+            f"cannot build the toolkit's CPU kernels ({', '.join(s.name for s in SOURCES)}: {err}): install a "
+            "C++ compiler (g++) and ninja, or export with --linear_kernel aten --attention_kernel sdpa."
+        ) from err
+    (build / BUILT).touch()
 
 
 def steady_heap() -> bool:
