@@ -44,7 +44,7 @@ demo: install
 	$(PYTHON) -m optimum.neuron.demo
 
 test: install lint
-	$(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadgroup --durations=40 tests
 	$(MAKE) docs-check
 
 docs-check: install
