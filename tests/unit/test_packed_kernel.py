@@ -204,6 +204,19 @@ def test_a_built_library_loads_from_an_environment_reached_by_another_path(tmp_p
     assert done.returncode == 0 and done.stdout.strip().endswith("True"), done.stderr[-2000:]
 
 
+def test_a_built_library_whose_file_is_gone_is_built_again(tmp_path: Path) -> None:
+    """The mark of a finished build with no library beside it (a cache pruned by hand) is not trusted: the load builds
+    (here ninja only links again: the objects are there) instead of failing to open the file."""
+    build = _built_copy(tmp_path)
+    library_file = build / f"optimum_neuron_kernels_{build.name}.so"
+    library_file.unlink()
+    env = {**os.environ, "OPTIMUM_NEURON_CACHE": str(tmp_path)}
+    command = [sys.executable, "-c", "from optimum.neuron.kernels import library; library.load(); print('ok')"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    assert library_file.is_file() and (build / library.BUILT).exists()
+
+
 def _built_copy(cache: Path) -> Path:
     """The library this process loaded, copied into the kernels folder of the fresh cache ``cache``."""
     library.load()

@@ -53,12 +53,23 @@ def load() -> None:
         name, build = f"optimum_neuron_kernels_{key}", cache_root() / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
         with cache_lock(build.with_name(f"{key}.lock")):
-            if (build / BUILT).exists():
-                torch.ops.load_library(str(build / f"{name}.so"))
-            else:
+            if not _load_built(name, build):
                 _build(name, build)
         _loaded.append(key)
         steady_heap()
+
+
+def _load_built(name: str, build: Path) -> bool:
+    """Load the finished build of library ``name`` in ``build`` (marked `BUILT`); False when there is none, or when its
+    file is gone or cannot be loaded (the mark is then dropped, and `load` builds again)."""
+    if not (build / BUILT).exists():
+        return False
+    try:
+        torch.ops.load_library(str(build / f"{name}.so"))
+    except OSError:
+        (build / BUILT).unlink(missing_ok=True)
+        return False
+    return True
 
 
 def _build(name: str, build: Path) -> None:
