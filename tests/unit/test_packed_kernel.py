@@ -176,10 +176,7 @@ def test_a_build_killed_midway_does_not_hang_the_next(tmp_path: Path) -> None:
     build = _built_copy(tmp_path)
     (build / library.BUILT).unlink()
     (build / "lock").write_text("")
-    env = {**os.environ, "OPTIMUM_NEURON_CACHE": str(tmp_path)}
-    command = [sys.executable, "-c", "from optimum.neuron.kernels import library; library.load(); print('ok')"]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)  # without the fix: forever
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    _load_in_fresh_process(tmp_path, timeout=120)  # without the fix: forever
     assert not (build / "lock").exists() and (build / library.BUILT).exists()
 
 
@@ -208,13 +205,17 @@ def test_a_built_library_whose_file_is_gone_is_built_again(tmp_path: Path) -> No
     """The mark of a finished build with no library beside it (a cache pruned by hand) is not trusted: the load builds
     (here ninja only links again: the objects are there) instead of failing to open the file."""
     build = _built_copy(tmp_path)
-    library_file = build / f"optimum_neuron_kernels_{build.name}.so"
-    library_file.unlink()
-    env = {**os.environ, "OPTIMUM_NEURON_CACHE": str(tmp_path)}
+    library.library_file(build).unlink()
+    _load_in_fresh_process(tmp_path, timeout=300)
+    assert library.library_file(build).is_file() and (build / library.BUILT).exists()
+
+
+def _load_in_fresh_process(cache: Path, timeout: int) -> None:
+    """`library.load` in a new Python process whose cache is ``cache``; fails the test unless it loads."""
+    env = {**os.environ, "OPTIMUM_NEURON_CACHE": str(cache)}
     command = [sys.executable, "-c", "from optimum.neuron.kernels import library; library.load(); print('ok')"]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
-    assert library_file.is_file() and (build / library.BUILT).exists()
 
 
 def _built_copy(cache: Path) -> Path:

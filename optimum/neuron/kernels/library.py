@@ -50,22 +50,28 @@ def load() -> None:
         if _loaded:
             return
         key = _build_key()
-        name, build = f"optimum_neuron_kernels_{key}", cache_root() / "kernels" / key
+        build = cache_root() / "kernels" / key
         build.mkdir(parents=True, exist_ok=True)
         with cache_lock(build.with_name(f"{key}.lock")):
-            if not _load_built(name, build):
-                _build(name, build)
+            if not _load_built(build):
+                _build(library_file(build).stem, build)
         _loaded.append(key)
         steady_heap()
 
 
-def _load_built(name: str, build: Path) -> bool:
-    """Load the finished build of library ``name`` in ``build`` (marked `BUILT`); False when there is none, or when its
-    file is gone or cannot be loaded (the mark is then dropped, and `load` builds again)."""
+def library_file(build: Path) -> Path:
+    """The shared library a build folder ``build`` (``kernels/<key>``) holds once built: named after its key, so that
+    two builds of different sources never share a name in one process."""
+    return build / f"optimum_neuron_kernels_{build.name}.so"
+
+
+def _load_built(build: Path) -> bool:
+    """Load the finished build in ``build`` (marked `BUILT`); False when there is none, or when its file is gone or
+    cannot be loaded (the mark is then dropped, and `load` builds again)."""
     if not (build / BUILT).exists():
         return False
     try:
-        torch.ops.load_library(str(build / f"{name}.so"))
+        torch.ops.load_library(str(library_file(build)))
     except OSError:
         (build / BUILT).unlink(missing_ok=True)
         return False
