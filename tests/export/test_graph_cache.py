@@ -24,6 +24,7 @@ from optimum.exporters.neuron.export import export
 from optimum.exporters.neuron.graph_cache import ENTRY_FILE, graph_key
 from optimum.neuron import NeuronModelForCausalLM
 from optimum.neuron.backends import get_backend
+from optimum.neuron.backends import inductor as inductor_backend
 from optimum.neuron.cache_dir import cache_root
 from optimum.neuron.config import NeuronConfig
 from optimum.neuron.errors import ExportError
@@ -164,6 +165,28 @@ def test_parallel_compile_then_a_reexport_with_another_chunk(
     assert one["token_generation"] == two["token_generation"] and one["chunked_prefill"] != two["chunked_prefill"]
     assert len(entries(private_cache)) == 3
     assert greedy(static) == hf_greedy(model, PROMPT, 6)
+
+
+def test_rope_angles_are_computed_once_per_call() -> None:
+    """Rope's cos and sin are computed once per graph call into a buffer, not again in each layer's rotation of the
+    queries and of the keys (`backends.inductor._angles_computed_once`; without it the fixture's generated kernels
+    held 4 of each: 2 layers x queries and keys)."""
+    code = _generated_code(export_fixture("llama-2x4x8-inductor"))
+    for graph in ("chunked_prefill", "token_generation"):
+        kernels = "\n".join(code[f"{graph}:kernel"])
+        assert kernels.count(".cos()") == kernels.count(".sin()") == 1, graph
+        assert "std::cos(" not in kernels and "std::sin(" not in kernels, graph
+
+
+def test_the_reuse_rule_is_inductors_own_again_after_a_compile() -> None:
+    """`_angles_computed_once` changes inductor's rule for the compile it wraps only, even one that fails."""
+    from torch._inductor import ir
+
+    own = ir.StorageBox.should_realize_on_reuse
+    with pytest.raises(RuntimeError, match="compile failed"), inductor_backend._angles_computed_once():
+        assert ir.StorageBox.should_realize_on_reuse is not own
+        raise RuntimeError("compile failed")
+    assert ir.StorageBox.should_realize_on_reuse is own
 
 
 _EXPORT = """
