@@ -162,3 +162,77 @@ def _chain(error: BaseException) -> list[BaseException]:
         out.append(current)
         current = current.__cause__ or current.__context__
     return out
+
+
+HUMMING_BUILDS = "HUMMING_DISABLE_PARALLEL_BUILD"
+
+
+@subprocess_test
+def test_a_config_built_through_the_platform_mends_the_worker_start_and_the_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What ``vllm serve`` and ``vllm.LLM`` do before their engine core starts: humming's background builds are off
+    for the processes started after it (a value the user set stays), and vLLM's kill of a shutdown's leftovers skips
+    a process that ended mid-walk (`compat.tolerate_ended_processes`)."""
+    import os
+
+    import vllm.v1.utils as v1_utils
+
+    artifact = export_fixture("llama-2x4x8-eager")
+    monkeypatch.delenv(HUMMING_BUILDS, raising=False)
+    engine_config(artifact)
+    assert os.environ[HUMMING_BUILDS] == "1"
+    assert getattr(v1_utils.kill_process_tree, "tolerates_ended_processes", False), "the shutdown's kill is wrapped"
+    monkeypatch.setenv(HUMMING_BUILDS, "0")
+    engine_config(artifact)
+    assert os.environ[HUMMING_BUILDS] == "0", "the user's own setting"
+
+
+SLEEPS_WITH_A_CHILD = (
+    "import subprocess, sys, time; "
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    "print(child.pid, flush=True); time.sleep(60)"
+)
+
+
+@subprocess_test
+def test_a_process_that_ends_while_vllm_kills_a_tree_does_not_stop_the_kill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's ``kill_process_tree`` lists a tree, then names each process before killing it. A process listed but
+    ended and collected before its turn (a real one; only the listing is arranged, as it happens when a worker's
+    short-lived helper exits mid-walk) made vLLM's own function raise ``psutil.NoSuchProcess``, which left
+    ``vllm serve``'s HTTP server running after its shutdown; wrapped, the rest of the tree is killed."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+    import vllm.v1.utils as v1_utils
+
+    from optimum.neuron.vllm import compat
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone = psutil.Process(ended.pid)
+    ended.wait()
+    tree = subprocess.Popen([sys.executable, "-c", SLEEPS_WITH_A_CHILD], stdout=subprocess.PIPE)
+    assert tree.stdout is not None
+    child = psutil.Process(int(tree.stdout.readline()))
+    listing = psutil.Process.children
+    listed: list[int] = []
+
+    def children(self: psutil.Process, recursive: bool = False) -> list[psutil.Process]:
+        found = listing(self, recursive=recursive)
+        listed.append(len(found))
+        return [gone, *found] if len(listed) == 1 else found  # the ended process: in the first listing only
+
+    monkeypatch.setattr(psutil.Process, "children", children)
+    with pytest.raises(psutil.NoSuchProcess):
+        v1_utils.kill_process_tree(tree.pid)  # vLLM's own stops at the ended process: nothing of the tree is killed
+    assert tree.poll() is None and child.status() != psutil.STATUS_ZOMBIE
+    listed.clear()
+    monkeypatch.setattr(v1_utils, "kill_process_tree", v1_utils.kill_process_tree)  # restored after the test
+    compat.tolerate_ended_processes()
+    v1_utils.kill_process_tree(tree.pid)
+    assert tree.wait(timeout=30) == -signal.SIGKILL
+    assert len(listed) == 2, "walked again after the ended process"
+    psutil.wait_procs([child], timeout=30)
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, "the root's child is killed too"

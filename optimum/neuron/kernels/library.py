@@ -54,7 +54,7 @@ def load() -> None:
         build.mkdir(parents=True, exist_ok=True)
         with cache_lock(build.with_name(f"{key}.lock")):
             if not _load_built(build):
-                _build(library_file(build).stem, build)
+                _build(build)
         _loaded.append(key)
         steady_heap()
 
@@ -78,8 +78,9 @@ def _load_built(build: Path) -> bool:
     return True
 
 
-def _build(name: str, build: Path) -> None:
-    """Compile and load the library ``name`` in ``build`` (under the build's cache lock), then mark it built.
+def _build(build: Path) -> None:
+    """Compile and load the library into ``build`` (as `library_file`, under the build's cache lock), then mark it
+    built.
 
     torch's builder writes the compile commands, with the paths of the running environment's torch, into the
     folder's ``build.ninja``, and ninja recompiles everything when a command changes: loading through it from an
@@ -91,7 +92,7 @@ def _build(name: str, build: Path) -> None:
     _drop_stale_baton(build)
     try:
         cpp_extension.load(
-            name=name,
+            name=library_file(build).stem,
             sources=[str(source) for source in SOURCES],
             build_directory=str(build),
             extra_cflags=list(_FLAGS),

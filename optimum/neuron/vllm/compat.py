@@ -7,7 +7,10 @@ bitmask for the requests that need them). Each function names the vLLM structure
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -402,6 +405,50 @@ def engine_failure(manager: Any) -> str | None:
     """The engine-core process vLLM saw end with a non-zero status before any shutdown was asked
     (``CoreEngineProcManager.failed_proc_name``, what vLLM's multi-API-server launcher raises on), or None."""
     return getattr(manager, "failed_proc_name", None)
+
+
+KILL_TREE_TRIES = 8
+"""How many times `tolerate_ended_processes` walks a process tree again after one of its processes ended mid-walk."""
+
+
+def tolerate_ended_processes() -> None:
+    """Make vLLM's ``kill_process_tree`` skip a process that ends while it walks the tree (once per process).
+
+    vLLM's process manager SIGKILLs what a shutdown left with ``kill_process_tree``: it lists every descendant, then
+    names each in a log line before killing it. One that ends between the two (the short-lived ``humming`` build
+    probes each vLLM worker starts, see `skip_unused_kernel_builds`) raises ``psutil.NoSuchProcess`` out of the
+    engine client's shutdown: ``vllm serve`` then never stops its HTTP server (seen in CI with two ranks: the engine
+    core and its workers were killed, the API server kept logging stats). The wrapper walks the remaining tree again;
+    the name is replaced in ``vllm.v1.utils``, where the process manager looks it up."""
+    import psutil
+    import vllm.v1.utils as v1_utils
+
+    kill = v1_utils.kill_process_tree
+    if getattr(kill, "tolerates_ended_processes", False):
+        return
+
+    def kill_process_tree(pid: int) -> None:
+        for _ in range(KILL_TREE_TRIES):
+            try:
+                return kill(pid)
+            except psutil.NoSuchProcess:
+                continue  # a process of the tree ended mid-walk: walk what is left
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    kill_process_tree.tolerates_ended_processes = True  # type: ignore[attr-defined]
+    v1_utils.kill_process_tree = kill_process_tree
+
+
+def skip_unused_kernel_builds() -> None:
+    """Keep vLLM's workers from starting ``humming``'s background builds (its CUDA GEMM launcher and NVRTC
+    compiler), unless the user set ``HUMMING_DISABLE_PARALLEL_BUILD`` themselves.
+
+    Importing ``humming`` (vLLM's worker does, for its quantized linear kernels) starts two Python processes that
+    import torch and try to build them; our graphs compute every linear layer, so nothing would use the builds. They
+    ran ~10 s beside each worker's model load (a two-rank ``vllm serve`` of a tiny model on 2 cores became healthy in
+    27.6 s without them against 32-33 s). The setting is inherited by the engine core and workers started after it."""
+    os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
 
 
 def set_scheduler(scheduler_config: Any, qualname: str) -> None:

@@ -320,6 +320,8 @@ class NeuronxPlatform(_Platform):  # type: ignore[misc,valid-type]
         if vllm_config.model_config is None:
             return
         watch_engine_cores()  # vllm serve: exit non-zero if an engine core dies
+        compat.tolerate_ended_processes()  # a shutdown's kill of what is left must not stop at one ended process
+        compat.skip_unused_kernel_builds()
         neuron = read_config(vllm_config.model_config.model)
         fit_parallelism(vllm_config.parallel_config, neuron)
         if neuron.tp_degree > 1:  # the heads its graphs compute, padded where they do not split (recorded at export)
