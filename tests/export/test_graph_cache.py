@@ -168,14 +168,16 @@ def test_parallel_compile_then_a_reexport_with_another_chunk(
 
 
 def test_rope_angles_are_computed_once_per_call() -> None:
-    """Rope's cos and sin are computed once per graph call into a buffer, not again in each layer's rotation of the
-    queries and of the keys (`backends.inductor._angles_computed_once`; without it the fixture's generated kernels
-    held 4 of each: 2 layers x queries and keys)."""
+    """Rope's cos and sin are computed once per graph call into a buffer, by one kernel, not again in each layer's
+    rotation of the queries and of the keys (`backends.inductor._angles_computed_once`; without it the fixture's two
+    layers' kernels each computed them). Inductor writes a vectorized ``.cos()`` or a scalar ``std::cos`` depending
+    on the CPU's vector width (on AVX-512 the tiny fixture's angles do not fill a vector), so both count."""
     code = _generated_code(export_fixture("llama-2x4x8-inductor"))
     for graph in ("chunked_prefill", "token_generation"):
-        kernels = "\n".join(code[f"{graph}:kernel"])
-        assert kernels.count(".cos()") == kernels.count(".sin()") == 1, graph
-        assert "std::cos(" not in kernels and "std::sin(" not in kernels, graph
+        kernels = "\n".join(code[f"{graph}:kernel"]).split('extern "C"')
+        for function in ("cos", "sin"):
+            computing = [k for k in kernels if f".{function}()" in k or f"std::{function}(" in k]
+            assert len(computing) == 1, (graph, function, len(computing))
 
 
 def test_the_reuse_rule_is_inductors_own_again_after_a_compile() -> None:
