@@ -526,13 +526,22 @@ void key_blocks(const std::vector<Segment>& segments, int64_t D, int64_t limit, 
   starts.push_back(static_cast<int64_t>(pieces.size()));
 }
 
-// The AVX2 and portable values' product of one panel of queries [c0, c0 + width): for each key block (`key_blocks`),
-// each row block's sums over its keys, carried in the output rows from one block to the next; then the division by
-// the totals. The keys stop at the panel's causal end: its queries weigh every later key exactly 0.
+// The keys the panel of queries from c0 (of a tile of `cols` queries over `keys` keys) reads, cut by `key_blocks`
+// into z.pieces and z.starts: they stop at the panel's causal end, since its queries weigh every later key exactly 0.
+// Returns the panel's width.
+int64_t panel_keys(const std::vector<Segment>& segments, int64_t D, int64_t keys, int64_t cols, int64_t c0,
+                   Scratch& z) {
+  const int64_t width = std::min(kPanel, cols - c0);
+  key_blocks(segments, D, keys - cols + c0 + width, z.pieces, z.starts);
+  return width;
+}
+
+// The AVX2 and portable values' product of one panel of queries from c0: for each key block of its keys
+// (`panel_keys`), each row block's sums over its keys, carried in the output rows from one block to the next; then the
+// division by the totals.
 void values_panel(const std::vector<Segment>& segments, int64_t D, const float* w, int64_t keys, const float* total,
                   int64_t cols, int64_t c0, float* out, Scratch& z) {
-  const int64_t width = std::min(kPanel, cols - c0), most = values_rows();
-  key_blocks(segments, D, keys - cols + c0 + width, z.pieces, z.starts);
+  const int64_t width = panel_keys(segments, D, keys, cols, c0, z), most = values_rows();
   int64_t j0 = 0;  // the block's first key
   for (size_t blk = 0; blk + 1 < z.starts.size(); ++blk) {
     const Segment* seg = z.pieces.data() + z.starts[blk];
@@ -561,8 +570,7 @@ void values_product(const std::vector<Segment>& segments, int64_t D, const float
 #ifdef OPTIMUM_NEURON_X86
   if (isa() == Isa::kAvx512) {
     for (int64_t c0 = 0; c0 < cols; c0 += kPanel) {
-      const int64_t width = std::min(kPanel, cols - c0);
-      key_blocks(segments, D, keys - cols + c0 + width, z.pieces, z.starts);  // up to the panel's causal end
+      const int64_t width = panel_keys(segments, D, keys, cols, c0, z);
       for (int64_t c = c0; c < c0 + width; c += values_rows()) {
         const int64_t rows = std::min(values_rows(), c0 + width - c);
         values_avx512(z.pieces, D, {w + (c0 / kPanel) * keys * kPanel + c % kPanel, total + c, out + c * D, rows});
