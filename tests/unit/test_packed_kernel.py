@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from optimum.neuron.cache_dir import cache_root
@@ -138,6 +139,104 @@ def test_project_fuses_exactly_plain_packed_layers() -> None:
         assert len(got) == len(layers)
         for out, layer in zip(got, layers, strict=True):
             assert torch.equal(out, layer(x))
+
+
+def _swiglu_reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out: int) -> torch.Tensor:
+    """torch's SiLU of the gate's packed product, times the up's: what the MLP computed before the fused call."""
+    return F.silu(packed.packed_linear(x, gate, None, out)) * packed.packed_linear(x, up, None, out)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 8, 9, 64, 300])
+@pytest.mark.parametrize(("out", "inp"), [(1536, 576), (100, 64), (49, 1536)])
+def test_swiglu_is_silu_of_the_gates_product_times_the_ups(rows: int, out: int, inp: int) -> None:
+    """packed_linear_swiglu: torch's ``silu(x @ G^T) * (x @ U^T)`` on the packed products within a few float32 ulps
+    (its own exp), for decode and prefill row counts, ragged panels and K over several blocks; its shape function
+    agrees."""
+    torch.manual_seed(rows + out)
+    x, gate, up = torch.randn(2, rows, inp), packed.pack(torch.randn(out, inp) / 8), packed.pack(torch.randn(out, inp))
+    got = packed.packed_linear_swiglu(x, gate, up, out)
+    want = _swiglu_reference(x, gate, up, out)
+    assert got.shape == want.shape == (2, rows, out)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = packed.packed_linear_swiglu(mode.from_tensor(x), mode.from_tensor(gate), mode.from_tensor(up), out)
+    assert fake.shape == got.shape
+
+
+@pytest.mark.parametrize("rows", [1, 8, 256])
+def test_swiglus_products_are_bitwise_packed_linears(rows: int) -> None:
+    """Where SiLU is the identity in float32 (gate outputs above ~20: exp(-g) vanishes beside 1), the fused call gives
+    bitwise the product of packed_linear's two outputs: its sums are packed_linear's, in its order."""
+    torch.manual_seed(rows)
+    x, gate, up = torch.rand(rows, 576) + 1, packed.pack(torch.rand(100, 576) + 1), packed.pack(torch.randn(100, 576))
+    got = packed.packed_linear_swiglu(x, gate, up, 100)
+    assert torch.equal(got, packed.packed_linear(x, gate, None, 100) * packed.packed_linear(x, up, None, 100))
+
+
+@pytest.mark.parametrize("rows", [4, 8, 256])
+def test_a_rows_swiglu_depends_on_that_row_only(rows: int) -> None:
+    torch.manual_seed(rows)
+    gate, up, x = packed.pack(torch.randn(100, 600)), packed.pack(torch.randn(100, 600)), torch.randn(rows, 600)
+    x[rows // 2 :] = x[rows // 2]
+    y = packed.packed_linear_swiglu(x, gate, up, 100)
+    assert torch.equal(y[rows // 2 :], y[rows // 2].expand(rows - rows // 2, 100))
+    assert torch.equal(packed.packed_linear_swiglu(x[:1], gate, up, 100)[0], y[0])
+
+
+SWIGLU_BAD = [
+    (lambda t: packed.packed_linear_swiglu(torch.randn(2, 8), t, t[:1].contiguous(), 20), "one shape"),
+    (lambda t: packed.packed_linear_swiglu(torch.randn(2, 8, dtype=torch.float64), t, t, 20), "float32"),
+    (lambda t: packed.packed_linear_swiglu(torch.randn(2, 7), t, t, 20), "features"),
+    (lambda t: packed.packed_linear_swiglu(torch.randn(2, 8), t, t, 40), "output features"),
+]
+
+
+@pytest.mark.parametrize(("call", "message"), SWIGLU_BAD, ids=[m for _, m in SWIGLU_BAD])
+def test_swiglu_refuses_bad_inputs(call, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RuntimeError, match=message):
+        call(packed.pack(torch.randn(20, 8)))
+
+
+def test_the_mlps_fuse_exactly_plain_packed_silu_layers() -> None:
+    """A gated MLP (separate gate and up, or Phi-3's fused gate_up) with SiLU and plain packed layers runs the fused
+    call; with biases, another activation, an intermediate size that splits a panel or torch's layout, the separate
+    products. Either way, what the unfused MLP gives within float32 rounding."""
+    from optimum.neuron.models.layers.mlp import FusedGatedMLP, GatedMLP
+
+    torch.manual_seed(4)
+    x = torch.randn(1, 5, 64)
+
+    def packed_twin(layer: nn.Linear) -> nn.Linear:
+        twin = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+        twin.load_state_dict(layer.state_dict())
+        twin.__class__ = PackedLinear
+        twin.weight = nn.Parameter(packed.pack(layer.weight.detach()), requires_grad=False)
+        return twin
+
+    calls = []
+    real = packed.packed_linear_swiglu
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        calls.append(args[-1])
+        return real(*args)
+
+    cases = [
+        (GatedMLP(64, 48, "silu"), True),
+        (GatedMLP(64, 48, "silu", bias=True), False),
+        (GatedMLP(64, 48, "gelu_pytorch_tanh"), False),
+        (FusedGatedMLP(64, 48, "silu"), True),
+        (FusedGatedMLP(64, 40, "silu"), False),
+    ]
+    for mlp, fuses in cases:
+        want = mlp(x)
+        for name in [n for n, m in mlp.named_children() if isinstance(m, nn.Linear)]:
+            setattr(mlp, name, packed_twin(getattr(mlp, name)))
+        calls.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("optimum.neuron.models.layers.packed_linear.packed_linear_swiglu", counting)
+            got = mlp(x)
+        assert calls == ([mlp.down_proj.in_features] if fuses else []), (mlp, calls)
+        torch.testing.assert_close(got, want)
 
 
 BAD = [
@@ -275,6 +374,10 @@ for bits, pack_q, low in ((8, packed.pack_int8, -127), (4, packed.pack_int4, -8)
             s = packed.pack_scales(torch.rand(n, k // group) / 64)
             x, b = torch.randn(rows, k), torch.randn(n)
             out[(bits, rows, n, k, group)] = packed.packed_qlinear(x, pack_q(q), s, b, n)
+for rows in (1, 8, 256):
+    for n, k in ((1536, 576), (49, 1536)):
+        g, u, x = torch.randn(n, k) / 8, torch.randn(n, k), torch.randn(rows, k)
+        out[("swiglu", rows, n, k)] = packed.packed_linear_swiglu(x, packed.pack(g), packed.pack(u), n)
 torch.save(out, sys.argv[1])
 """
 
@@ -305,8 +408,8 @@ def _assert_bitwise_equal(first: dict[tuple, torch.Tensor], second: dict[tuple, 
 def test_avx512_and_avx2_paths_are_bitwise_equal(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The AVX-512 tile (16-float registers, other tile sizes) runs the same fused multiply-adds in the same order as
     the AVX2 one: every output is bitwise equal, for decode and prefill row counts, fp32 and the int8 / int4 weights
-    of packed_qlinear (their own decoders per path) (each path in its own process: OPTIMUM_NEURON_PACKED_ISA is read
-    once)."""
+    of packed_qlinear (their own decoders per path), and packed_linear_swiglu (the same exp lane for lane); each path
+    in its own process (OPTIMUM_NEURON_PACKED_ISA is read once)."""
     results = {isa: _products_under(tmp_path, isa, {"OPTIMUM_NEURON_PACKED_ISA": isa}) for isa in ("avx512", "avx2")}
     _assert_bitwise_equal(results["avx512"], results["avx2"])
 

@@ -16,6 +16,9 @@ each scale once per run of its group: for each run of k steps sharing a group in
 sum of ``x * q`` over the run in order (exact integer products), then ``out = fma(sum, scale, out)``; no multiply
 per weight, so its products are bound by the bytes they stream, and within float32 rounding of the same product.
 
+``optimum_neuron::packed_linear_swiglu`` runs a gated MLP's gate and up products and its SiLU in one call (each
+product's sums bitwise packed_linear's), so the two products never reach memory.
+
 The operators' schemas and their shape functions are defined here (what ``torch.export`` and AOTInductor need: a
 compiled graph calls the operator by name through the dispatcher); their CPU implementation is the toolkit's small C++
 library (`kernels.library`), compiled on first use into the cache (`library.load`: 20-50 s on two cores, then a cache
@@ -34,6 +37,7 @@ OPERATOR = "optimum_neuron::packed_linear"
 QOPERATOR = "optimum_neuron::packed_qlinear"
 CAT_OPERATOR = "optimum_neuron::packed_linear_cat"
 QCAT_OPERATOR = "optimum_neuron::packed_qlinear_cat"
+SWIGLU_OPERATOR = "optimum_neuron::packed_linear_swiglu"
 
 torch.library.define(
     OPERATOR, "(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor", tags=(torch.Tag.flexible_layout,)
@@ -72,6 +76,27 @@ def packed_linear_cat(x: torch.Tensor, weights: list[torch.Tensor], out_features
     region over every weight's panels, where separate calls pay a fork and a barrier each. Each output is bitwise
     ``packed_linear(x, weights[i], None, out_features[i])``."""
     return torch.ops.optimum_neuron.packed_linear_cat(x, weights, out_features)
+
+
+torch.library.define(
+    SWIGLU_OPERATOR, "(Tensor x, Tensor gate, Tensor up, int out_features) -> Tensor", tags=(torch.Tag.flexible_layout,)
+)
+"""A gated MLP's ``silu(x @ G^T) * (x @ U^T)`` in one call (no bias)."""
+
+
+@torch.library.register_fake(SWIGLU_OPERATOR)
+def _swiglu_output_shape(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def packed_linear_swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``silu(x @ G^T) * (x @ U^T)`` for ``gate = pack(G)`` and ``up = pack(U)`` of one shape: ``x [..., K]`` ->
+    ``[..., out_features]``. For each group of panels, a thread computes the gate's and the up's products (each sum
+    bitwise what `packed_linear` gives) into buffers of its own, then ``silu(g) * u = g / (1 + exp(-g)) * u``: the two
+    products never go to memory and back through a pointwise kernel. The exp is the attention kernels' (vec_exp.h,
+    within 2 ulp of the exact value) on AVX2 and AVX-512, bitwise equal to each other, and ``std::exp`` on the portable
+    path."""
+    return torch.ops.optimum_neuron.packed_linear_swiglu(x, gate, up, out_features)
 
 
 torch.library.define(

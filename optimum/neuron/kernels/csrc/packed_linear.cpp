@@ -24,6 +24,9 @@
 // then times the scale into the output, no multiply per weight. Either way a row's result depends on that row only,
 // and the AVX2 and AVX-512 paths are bitwise equal.
 //
+// SwiGLU (optimum_neuron::packed_linear_swiglu). A gated MLP's silu(x @ G^T) * (x @ U^T): packed_linear's products of
+// the gate and the up on the same panels, into a thread's own buffers, then the activation (`packed_linear_swiglu`).
+//
 // Schedule. Threads split the panels (groups of up to 4 panels, as many as the registers allow for the row block that
 // sizes them: `group_rows`; on AMD CPUs, one panel per group for fp32 with a single row block, a decode step, whose
 // threads then each read one contiguous stream, prefetched non-temporally: `streams_once`; packed_linear_cat: the
@@ -43,12 +46,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "panel_tiles.h"
+#include "vec_exp.h"
 
 namespace optimum_neuron {
 namespace {
@@ -186,6 +191,94 @@ at::Tensor packed_linear_cat(const at::Tensor& x, at::TensorList weights, at::In
   return gemm<Kind::kF32>(x, parts, 0);
 }
 
+// SwiGLU's product, silu(g) * u = g / (1 + exp(-g)) * u, over `n` columns (a multiple of 16: whole panels) of one
+// row. The vector paths take vec_exp.h's exp, the same values lane for lane on AVX2 and AVX-512; the portable path
+// std::exp.
+void silu_mul_portable(const float* g, const float* u, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+#ifdef OPTIMUM_NEURON_X86
+__attribute__((target("avx2,fma"))) void silu_mul_avx2(const float* g, const float* u, float* y, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 a = _mm256_loadu_ps(g + i);
+    const __m256 silu = _mm256_div_ps(a, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, a))));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+  }
+}
+
+__attribute__((target("avx512f"))) void silu_mul_avx512(const float* g, const float* u, float* y, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += kPanel) {
+    const __m512 a = _mm512_loadu_ps(g + i);
+    const __m512 silu = _mm512_div_ps(a, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, a))));
+    _mm512_storeu_ps(y + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+  }
+}
+#endif
+
+void silu_mul(const float* g, const float* u, float* y, int64_t n) {
+#ifdef OPTIMUM_NEURON_X86
+  if (isa() == Isa::kAvx512) return silu_mul_avx512(g, u, y, n);
+  if (isa() == Isa::kAvx2) return silu_mul_avx2(g, u, y, n);
+#endif
+  silu_mul_portable(g, u, y, n);
+}
+
+// packed_linear_swiglu: silu(x @ G^T) * (x @ U^T) for two packed fp32 weights of one shape (a gated MLP's gate and
+// up). The threads share the groups of panels as in packed_linear. A thread runs the gate's panels of a span of its
+// groups, then the up's same panels (`panel_group`: each sum bitwise what packed_linear gives), into buffers of its
+// own, then writes silu(g) * u for the span: the [M, 2 n] products stay in the thread's caches instead of going to
+// memory and coming back through a pointwise kernel. The span is one group for a call of many rows (the buffers stay
+// small), and all the thread's groups for a decode step's products (`streams_once`: the thread then reads two
+// contiguous streams, the gate's panels and the up's, rather than switching between them every panel). A row's
+// result depends on that row only, as for packed_linear.
+at::Tensor packed_linear_swiglu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, int64_t n) {
+  check_f32_weight("packed_linear_swiglu", gate);
+  check_f32_weight("packed_linear_swiglu", up);
+  TORCH_CHECK(gate.sizes() == up.sizes(), "packed_linear_swiglu: the gate and up weights must have one shape; got ",
+              gate.sizes(), " and ", up.sizes());
+  check_x_and_bias("packed_linear_swiglu", x, gate.size(1), c10::nullopt, n, gate.size(0));
+  const int64_t K = x.size(-1), panels = gate.size(0), ldw = K * row_bytes<Kind::kF32>();
+  const at::Tensor xs = x.reshape({-1, K}).contiguous();
+  const int64_t M = xs.size(0), width = panels * kPanel;
+  at::Tensor y = at::empty({M, width}, x.options());
+  if (M > 0 && K > 0) {
+    const float* xp = xs.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const char* weights[2] = {reinterpret_cast<const char*>(gate.data_ptr<float>()),
+                              reinterpret_cast<const char*>(up.data_ptr<float>())};
+    const RowBlocks blocks = row_blocks(M);
+    const int64_t per_tile = panels_per_group<Kind::kF32>(blocks, panels, at::get_num_threads());
+    at::parallel_for(0, (panels + per_tile - 1) / per_tile, 1, [&](int64_t begin, int64_t end) {
+      const int64_t span = streams_once<Kind::kF32>(blocks) ? end - begin : 1, ld = span * per_tile * kPanel;
+      std::vector<float> partial(K > block_k<Kind::kF32>(blocks, true) ? M * per_tile * kPanel : 0), sums(2 * M * ld);
+      for (int64_t g0 = begin; g0 < end; g0 += span) {
+        const int64_t g1 = std::min(end, g0 + span), c0 = g0 * per_tile, c1 = std::min(panels, g1 * per_tile);
+        for (int i = 0; i < 2; ++i) {
+          // after the span's gate panels, the thread reads its up panels; after those, the gate's next span
+          const char* after = i == 0 ? weights[1] + c0 * ldw : weights[0] + c1 * ldw;
+          for (int64_t first = c0; first < c1; first += per_tile) {
+            const int64_t count = std::min(per_tile, c1 - first);
+            const char* w = weights[i] + first * ldw;
+            const Product p{xp, K, K, w, ldw, sums.data() + i * M * ld + (first - c0) * kPanel, ld, nullptr, nullptr,
+                            0, 0, true, first + count == c1 ? after - w : 0};
+            panel_group<Kind::kF32>(p, blocks, 0, count, partial.data(), per_tile * kPanel);
+          }
+        }
+        for (int64_t m = 0; m < M; ++m)
+          silu_mul(sums.data() + m * ld, sums.data() + (M + m) * ld, yp + m * width + c0 * kPanel, (c1 - c0) * kPanel);
+      }
+    });
+  } else if (M > 0) {
+    y.zero_();
+  }
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  return (width == n ? y : y.narrow(1, 0, n).contiguous()).view(sizes);
+}
+
 // A quantized weight's part, checked: int8 [panels, K, 16] or int4 pairs [panels, K, 8] with float32 scales
 // [groups, panels * 16], groups dividing K (an even group size for int4). Its group size goes to `group`.
 Part quantized_part(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
@@ -251,4 +344,5 @@ TORCH_LIBRARY_IMPL(optimum_neuron, CPU, m) {
   m.impl("packed_qlinear", &optimum_neuron::packed_qlinear);
   m.impl("packed_linear_cat", &optimum_neuron::packed_linear_cat);
   m.impl("packed_qlinear_cat", &optimum_neuron::packed_qlinear_cat);
+  m.impl("packed_linear_swiglu", &optimum_neuron::packed_linear_swiglu);
 }

@@ -623,12 +623,15 @@ struct Product {
   int64_t lds;
   int64_t group;
   bool prefetch;        // the row blocks prefetch the panels ahead (`prefetch_ahead`, `fetch_share`)
+  int64_t next = 0;     // fp32 and int8: bytes from a group's first panel to what its thread reads after it (0: the
+                        // panels that follow the group's in memory)
 };
 
 // How far ahead the row blocks of a K block prefetch each panel's stream: fp32 and int8, the next K block of
 // the same panels; int4, kPrefetchI4 bytes. Where that would pass the panel's end, the same distance into the panels
 // that follow the group's in memory, the group a thread of packed_linear takes next (a thread runs consecutive
-// groups): fp32 and int8 prefetch the next group's first K block during their last one; int4 shifts its distance by
+// groups): fp32 and int8 prefetch the next group's first K block during their last one (or what `Product::next`
+// names: packed_linear_swiglu's thread reads a group of the gate's panels, then the up's same panels); int4 shifts its distance by
 // the group's other panels (past the end of panel p lies panel p + 1, which the tile is reading already). Without
 // that, each group's first K block was read with no prefetch in flight: SmolLM2's 211 fp32 products of a decode step
 // streamed from memory took 3-4 % longer (1 and 8 rows), its 210 int4 ones 5-11 %.
@@ -638,7 +641,7 @@ inline int64_t prefetch_ahead(const Product& p, int64_t count, int64_t k0, int64
     const bool past = (k0 + kBlockK) * row_bytes<W>() + kPrefetchI4 > p.ldw;
     return past ? kPrefetchI4 + (count - 1) * p.ldw : kPrefetchI4;
   }
-  return last ? count * p.ldw - k0 * row_bytes<W>() : block * row_bytes<W>();
+  return last ? (p.next != 0 ? p.next : count * p.ldw) - k0 * row_bytes<W>() : block * row_bytes<W>();
 }
 
 // K steps per block of a product with these row blocks, its panels streamed from memory (``streamed``: prefetched, a

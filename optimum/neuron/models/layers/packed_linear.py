@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ...kernels.packed import packed_linear, packed_linear_cat, packed_qlinear_cat
+from ...kernels.packed import PANEL, packed_linear, packed_linear_cat, packed_linear_swiglu, packed_qlinear_cat
 
 
 class PackedLinear(nn.Linear):
@@ -60,3 +60,36 @@ def _one_scheme(weights: list[torch.Tensor], scales: list[torch.Tensor]) -> bool
     """Quantized weights `packed_qlinear_cat` takes together: one dtype (int8, or int4 pairs) and one group size."""
     groups = {w.shape[1] // s.shape[0] for w, s in zip(weights, scales, strict=True)}
     return len({w.dtype for w in weights}) == 1 and len(groups) == 1
+
+
+SILU = ("silu", "swish")
+"""The names transformers gives SiLU (``ACT2FN``): the activation `swiglu` fuses."""
+
+
+def swiglu(x: torch.Tensor, gate: nn.Module, up: nn.Module) -> torch.Tensor | None:
+    """``silu(gate(x)) * up(x)`` in one `packed_linear_swiglu` call when ``gate`` and ``up`` are plain fp32
+    `PackedLinear` layers of one shape without biases; None otherwise (torch's layout, quantized weights, LoRA,
+    biases): the caller then runs them apart."""
+    if not all(type(m) is PackedLinear and m.bias is None for m in (gate, up)):
+        return None
+    weights = (_tensor(gate.weight), _tensor(up.weight))
+    if weights[0].shape != weights[1].shape or weights[0].dtype != torch.float32:
+        return None
+    return packed_linear_swiglu(x, *weights, _out_features(gate))
+
+
+def fused_swiglu(x: torch.Tensor, gate_up: nn.Module) -> torch.Tensor | None:
+    """The same for a gate and up stored as one layer (Phi-3's ``gate_up_proj``: the gate's outputs first): its packed
+    weight's two halves of whole panels (the intermediate size a multiple of 16), or None."""
+    if type(gate_up) is not PackedLinear or gate_up.bias is not None:
+        return None
+    weight, half = _tensor(gate_up.weight), _out_features(gate_up) // 2
+    if half % PANEL or weight.dtype != torch.float32:
+        return None
+    panels = half // PANEL
+    return packed_linear_swiglu(x, weight[:panels], weight[panels:], half)
+
+
+def _out_features(layer: nn.Module) -> int:
+    assert isinstance(layer, nn.Linear)
+    return layer.out_features
