@@ -41,6 +41,19 @@ def test_pack_round_trip_and_rows(out: int, inp: int) -> None:
     assert torch.equal(packed.packed_rows(table, ids), weight[ids])
 
 
+def test_packed_rows_of_int8_panels_and_ids_out_of_the_table() -> None:
+    """The lookup operator copies int8 panels' rows as they are (a quantized tied table), gives [*ids.shape, K], and
+    refuses an id outside the table's rows (its padded ones included) with a typed error, not a read out of bounds."""
+    q = torch.randint(-127, 128, (100, 64), dtype=torch.int8)
+    table = packed.pack_int8(q)
+    ids = torch.tensor([[0, 99, 50, 7], [1, 2, 3, 16]])
+    assert torch.equal(packed.packed_rows(table, ids), q[ids])
+    assert torch.equal(packed.packed_rows(table, torch.tensor([100, 111]))[:, 0], torch.zeros(2, dtype=torch.int8))
+    for bad in (112, -1):
+        with pytest.raises(RuntimeError, match="outside the table's 112 rows"):
+            packed.packed_rows(table, torch.tensor([3, bad]))
+
+
 @pytest.mark.parametrize(("out", "inp"), SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 13, 64])
 def test_product_matches_float64(out: int, inp: int, rows: int) -> None:

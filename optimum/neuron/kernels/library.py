@@ -19,6 +19,7 @@ from ..errors import BackendUnavailableError
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
     CSRC / "packed_linear.cpp",
+    CSRC / "packed_rows.cpp",
     CSRC / "paged_attention.cpp",
     CSRC / "chunk_attention.cpp",
     CSRC / "top_candidates.cpp",

@@ -170,10 +170,22 @@ def unpack(packed: torch.Tensor, rows: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:rows]
 
 
+ROWS_OPERATOR = "optimum_neuron::packed_rows"
+torch.library.define(ROWS_OPERATOR, "(Tensor table, Tensor ids) -> Tensor")
+"""An operator rather than a tensor index: inductor inlined the index into every kernel that read the rows, and each
+gathered them again from a line per value (csrc/packed_rows.cpp)."""
+
+
+@torch.library.register_fake(ROWS_OPERATOR)
+def _rows_shape(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return table.new_empty((*ids.shape, table.shape[1]))
+
+
 def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``W[ids]`` of a packed weight, ``[*ids.shape, K]``: an embedding lookup in a tied embedding/LM head table
-    kept only in the packed layout."""
-    return packed[ids // PANEL, :, ids % PANEL]
+    """Rows ``W[ids]`` of a packed weight, ``[*ids.shape, K]`` (``P[ids // 16, :, ids % 16]``): an embedding lookup in
+    a tied embedding/LM head table kept only in the packed layout (fp32 or int8 panels). An id outside the table's
+    rows raises RuntimeError."""
+    return torch.ops.optimum_neuron.packed_rows(packed, ids)
 
 
 def qpacked_shape(shape: torch.Size | tuple[int, ...], bits: int) -> tuple[int, int, int]:
