@@ -51,6 +51,12 @@ def inputs(case: tuple, seed: int = 0) -> tuple:
     return q, k, v, caches, table, mask
 
 
+def strided_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k and v as views of one projection output [B, C, Hq + 2 Hk, D], the same values."""
+    fused = torch.cat([t.transpose(1, 2) for t in (q, k, v)], dim=2)
+    return tuple(t.transpose(1, 2) for t in fused.split([q.shape[1], k.shape[1], v.shape[1]], dim=2))
+
+
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list, table: torch.Tensor | None,
               mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
     if table is not None:
@@ -64,6 +70,18 @@ def test_equals_sdpa_on_the_gathered_window_and_the_chunk(case: tuple) -> None:
     q, k, v, caches, table, mask = inputs(case)
     got = chunk_attention(q, k, v, caches[0], caches[1], table, mask, q.shape[-1] ** -0.5)
     torch.testing.assert_close(got, reference(q, k, v, caches, table, mask), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5]])
+def test_queries_keys_and_values_are_read_where_they_lie(case: tuple) -> None:
+    """q, k and v as views of one projection output [B, C, heads, D] (as a graph passes them: the rows of D contiguous,
+    the heads and tokens strided) give bitwise what contiguous copies give: the kernel reads them in place."""
+    q, k, v, caches, table, mask = inputs(case)
+    q_view, k_view, v_view = strided_views(q, k, v)
+    assert not any(t.is_contiguous() for t in (q_view, k_view, v_view))
+    scale = q.shape[-1] ** -0.5
+    got = chunk_attention(q_view, k_view, v_view, caches[0], caches[1], table, mask, scale)
+    assert torch.equal(got, chunk_attention(q, k, v, caches[0], caches[1], table, mask, scale))
 
 
 def test_any_mask_pattern_is_read_bit_for_bit() -> None:
@@ -140,7 +158,7 @@ def test_bad_inputs_raise() -> None:
 _OTHER_PATH = """
 import sys
 import torch
-from tests.unit.test_chunk_attention import CASES, inputs, reference
+from tests.unit.test_chunk_attention import CASES, inputs, reference, strided_views
 from optimum.neuron.kernels import library
 from optimum.neuron.kernels.attention import chunk_attention
 library.load()
@@ -149,6 +167,8 @@ for case in CASES:
     q, k, v, caches, table, mask = inputs(case, seed=3)
     got = chunk_attention(q, k, v, caches[0], caches[1], table, mask, q.shape[-1] ** -0.5)
     torch.testing.assert_close(got, reference(q, k, v, caches, table, mask), rtol=1e-5, atol=1e-6)
+    in_place = chunk_attention(*strided_views(q, k, v), caches[0], caches[1], table, mask, q.shape[-1] ** -0.5)
+    assert torch.equal(in_place, got), case
     outputs.append(got)
 torch.save(outputs, sys.argv[1])
 print("ok")
@@ -157,8 +177,9 @@ print("ok")
 
 @pytest.mark.parametrize("path", ["avx2", "portable"])
 def test_the_other_paths_equal_sdpa_too(path: str, tmp_path: Path) -> None:
-    """The paths below the CPU's best equal SDPA; the AVX2 path's results are bitwise those of this process's path
-    (AVX-512 or AVX2: the same fused multiply-adds in the same order, the softmax the same lane for lane)."""
+    """The paths below the CPU's best equal SDPA, and read strided q, k and v in place (bitwise the contiguous
+    inputs' results); the AVX2 path's results are bitwise those of this process's path (AVX-512 or AVX2: the same
+    fused multiply-adds in the same order, the softmax the same lane for lane)."""
     env = {**os.environ, "OPTIMUM_NEURON_PACKED_ISA": path}
     saved = tmp_path / "outputs.pt"
     command = [sys.executable, "-c", _OTHER_PATH, str(saved)]
