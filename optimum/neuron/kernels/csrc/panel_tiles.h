@@ -631,10 +631,10 @@ struct Product {
 // the same panels; int4, kPrefetchI4 bytes. Where that would pass the panel's end, the same distance into the panels
 // that follow the group's in memory, the group a thread of packed_linear takes next (a thread runs consecutive
 // groups): fp32 and int8 prefetch the next group's first K block during their last one (or what `Product::next`
-// names: packed_linear_swiglu's thread reads a group of the gate's panels, then the up's same panels); int4 shifts its distance by
-// the group's other panels (past the end of panel p lies panel p + 1, which the tile is reading already). Without
-// that, each group's first K block was read with no prefetch in flight: SmolLM2's 211 fp32 products of a decode step
-// streamed from memory took 3-4 % longer (1 and 8 rows), its 210 int4 ones 5-11 %.
+// names: packed_linear_swiglu's thread reads the gate's panels of a span, then the up's same panels); int4 shifts
+// its distance by the group's other panels (past the end of panel p lies panel p + 1, which the tile is reading
+// already). Without that, each group's first K block was read with no prefetch in flight: SmolLM2's 211 fp32
+// products of a decode step streamed from memory took 3-4 % longer (1 and 8 rows), its 210 int4 ones 5-11 %.
 template <Kind W>
 inline int64_t prefetch_ahead(const Product& p, int64_t count, int64_t k0, int64_t block, bool last) {
   if (W == Kind::kI4) {
