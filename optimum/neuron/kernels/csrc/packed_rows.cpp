@@ -17,24 +17,21 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
+#include "panel_tiles.h"
 
 namespace optimum_neuron {
 namespace {
 
-constexpr int64_t kColumns = 16;  // columns per panel (packed_linear.cpp)
-constexpr int64_t kAhead = 8;     // panel rows a gather prefetches ahead of the one it copies
+constexpr int64_t kAhead = 8;  // panel rows a gather prefetches ahead of the one it copies
 
 // K values of type T at a stride of 16 elements from `src` into `dst`.
 template <typename T>
 void gather_row(const T* src, int64_t K, T* dst) {
   for (int64_t k = 0; k < K; ++k) {
-#if defined(__x86_64__) || defined(_M_X64)
-    if (k + kAhead < K) _mm_prefetch(reinterpret_cast<const char*>(src + (k + kAhead) * kColumns), _MM_HINT_T0);
+#ifdef OPTIMUM_NEURON_X86
+    if (k + kAhead < K) prefetch_line(reinterpret_cast<const char*>(src + (k + kAhead) * kPanel), false);
 #endif
-    dst[k] = src[k * kColumns];
+    dst[k] = src[k * kPanel];
   }
 }
 
@@ -45,18 +42,18 @@ void gather_rows(const at::Tensor& table, const int64_t* ids, int64_t n, at::Ten
   T* dst = static_cast<T*>(out.data_ptr());
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      gather_row(base + (ids[t] / kColumns) * K * kColumns + ids[t] % kColumns, K, dst + t * K);
+      gather_row(base + (ids[t] / kPanel) * K * kPanel + ids[t] % kPanel, K, dst + t * K);
   });
 }
 
 at::Tensor packed_rows(const at::Tensor& table, const at::Tensor& ids) {
   TORCH_CHECK(table.device().is_cpu() && ids.device().is_cpu(), "packed_rows runs on the CPU; got the table on ",
               table.device(), " and the ids on ", ids.device());
-  TORCH_CHECK(table.dim() == 3 && table.size(2) == kColumns && table.is_contiguous(),
+  TORCH_CHECK(table.dim() == 3 && table.size(2) == kPanel && table.is_contiguous(),
               "packed_rows needs a contiguous packed table [panels, K, 16]; got ", table.sizes());
   TORCH_CHECK(ids.scalar_type() == at::kLong, "packed_rows: the ids must be int64; got ", ids.scalar_type());
   const at::Tensor flat = ids.contiguous();
-  const int64_t n = flat.numel(), rows = table.size(0) * kColumns;
+  const int64_t n = flat.numel(), rows = table.size(0) * kPanel;
   const int64_t* idp = flat.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t)
     TORCH_CHECK(idp[t] >= 0 && idp[t] < rows, "packed_rows: id ", idp[t], " is outside the table's ", rows,
