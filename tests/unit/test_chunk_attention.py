@@ -75,12 +75,16 @@ def test_equals_sdpa_on_the_gathered_window_and_the_chunk(case: tuple) -> None:
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5]])
 def test_queries_keys_and_values_are_read_where_they_lie(case: tuple) -> None:
     """q, k and v as views of one projection output [B, C, heads, D] (as a graph passes them: the rows of D contiguous,
-    the heads and tokens strided) give bitwise what contiguous copies give: the kernel reads them in place."""
+    the heads and tokens strided) give bitwise what contiguous copies give, and the kernel reads them in place: it
+    makes no copy of them."""
     q, k, v, caches, table, mask = inputs(case)
     q_view, k_view, v_view = strided_views(q, k, v)
     assert not any(t.is_contiguous() for t in (q_view, k_view, v_view))
     scale = q.shape[-1] ** -0.5
-    got = chunk_attention(q_view, k_view, v_view, caches[0], caches[1], table, mask, scale)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        got = chunk_attention(q_view, k_view, v_view, caches[0], caches[1], table, mask, scale)
+    copies = {event.key for event in profile.key_averages()} & {"aten::contiguous", "aten::clone", "aten::copy_"}
+    assert not copies, f"the kernel copied its strided inputs: {copies}"
     assert torch.equal(got, chunk_attention(q, k, v, caches[0], caches[1], table, mask, scale))
 
 
